@@ -104,6 +104,45 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
 
 
 @app.command()
+def fidelity(topology: str = typer.Argument(..., help="topology YAML (or a shipped name)"),
+             dilation: str = typer.Option("auto", help="T, or 'auto': what a default run uses"),
+             model: str = typer.Option("mixtral", help="model whose experts time the streams"),
+             mechanism: str = typer.Option("auto", help="delay: auto, netem or transport"),
+             seconds: float = typer.Option(0.8, help="bulk transfer per directed link"),
+             out: Path | None = typer.Option(None, help="also write the table as JSON here")) -> None:
+    """Check the emulated network against the topology; non-zero exit when out of tolerance."""
+    import dataclasses
+    import json
+
+    from topologies import TopologyError, load_topology
+    from workloads import get_model
+
+    from .emu.fidelity import format_rows, run_fidelity
+    from .emu.hosts import EmulationUnavailable
+    try:
+        cl = load_topology(topology).to_cluster()
+        if dilation == "auto":
+            from .emu.dilation import choose_dilation
+            from .setup import build_setup
+            s = parse_spec({"topology": topology, "backend": "emu",
+                            "workload": {"model": model, "calibration_tokens": 64}})
+            T = choose_dilation(build_setup(s))[0]
+        else:
+            T = float(dilation)
+        rows, info = run_fidelity(cl, get_model(model).shape(), T, mechanism, seconds)
+    except (TopologyError, EmulationUnavailable, KeyError) as err:
+        _fail(str(err))
+        return
+    typer.echo(f"dilation T={T:g}, delay mechanism: {info['delay_mechanism']}")
+    typer.echo(format_rows(rows))
+    if out is not None:
+        out.write_text(json.dumps({"info": info, "rows": [dataclasses.asdict(r) for r in rows]},
+                                  indent=1, default=str))
+    if not all(r.ok for r in rows):
+        raise typer.Exit(1)
+
+
+@app.command()
 def routers() -> None:
     """List registered routers."""
     from hetroute.routers import get_router

@@ -1,0 +1,225 @@
+"""``python -m testbed fidelity TOPOLOGY.yaml``: is the emulated network what it claims?
+
+Checks, at dilation T (the targets are the topology's values after dilation):
+
+- read-back: every HTB class's rate as the kernel reports it equals the
+  configured rate B/T; delay rules (netem qdiscs, or the transport's table);
+  cgroup CPU quotas;
+- bandwidth of every directed link: a bulk TCP transfer, measured from the tc
+  byte counters of the sender's class (link-layer bytes) over a steady-state
+  window; within [0.95, 1.02] of B/T;
+- RTT of every pair: PING/PONG over the workers' own transport (so the
+  transport delay line is what is measured), compared in emulated time
+  (measured / T) with twice the one-way delay plus the frames'
+  serialization: within max(0.2 ms, 3%);
+- expert service time per server: a burst of jobs through the emulated
+  stream with real kernels; mean service within 5% of T * w/F, and of
+  T * (v/beta + w/F) for a CPU-resident replica;
+- no drops in any class, no late stream release beyond tolerance, and CPU
+  below saturation during the measurements.
+
+It prints a table and returns non-zero when anything is out of tolerance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from hetroute.deployment import Replica
+from hetroute.system import Cluster, MoEShape, Precision
+
+from .experts import ExpertBank, ExpertSpec
+from .hosts import EmulatedNetwork
+from .hosts.readback import cgroup_quota, tc_classes, tc_qdiscs
+from .stream import Job, ModeledStream
+from .transport import precise_loop
+from .wire import HEADER_SIZE
+
+PORT = 47100
+BW_TOL = (0.95, 1.02)
+RTT_ABS, RTT_REL = 0.2e-3, 0.03
+SVC_REL = 0.05
+
+
+@dataclass
+class Row:
+    kind: str
+    what: str
+    target: float
+    measured: float
+    ok: bool
+    note: str = ""
+
+
+def _py(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", f"testbed.emu.{module}", *args]
+
+
+def _counters(net: EmulatedNetwork, host: int, intf: str) -> tuple[dict, float]:
+    """The class counters and the midpoint time of the read (reads take a few ms)."""
+    t1 = time.monotonic()
+    cls = tc_classes(lambda c: net.cmd(host, c), intf).get("1:1", {})
+    return cls, (t1 + time.monotonic()) / 2
+
+
+def measure_bandwidth(net: EmulatedNetwork, m: int, n: int, seconds: float) -> tuple[float, int, float]:
+    """(link-layer bit/s over a steady window, drops, CPU % over the window) of m -> n.
+
+    The window holds at least 4 MB so low dilated rates are measured as well
+    as high ones; it starts after a warm-up and ends before the sender stops.
+    """
+    end = net.ends[(m, n)]
+    window = max(seconds, 4e6 * 8 / end.rate_bit)
+    warm = min(0.3, window / 3)
+    rx = net.popen(n, _py("probe", "recv", "--port", str(PORT)), stdout=subprocess.PIPE, text=True)
+    rx.stdout.readline()
+    tx = net.popen(m, _py("probe", "send", "--addr", net.addr(m, n), "--port", str(PORT),
+                          "--seconds", str(warm + window + 0.3)), stdout=subprocess.PIPE, text=True)
+    tx.stdout.readline()  # connected: the transfer starts now
+    time.sleep(warm)
+    psutil.cpu_percent(None)
+    c1, t1 = _counters(net, m, end.intf)
+    time.sleep(window)
+    c2, t2 = _counters(net, m, end.intf)
+    cpu = psutil.cpu_percent(None)
+    tx.wait(timeout=window + 60)
+    rx.kill()
+    rx.wait()
+    rate = (c2.get("bytes", 0) - c1.get("bytes", 0)) * 8 / (t2 - t1)
+    return rate, c2.get("dropped", 0), cpu
+
+
+def measure_rtts(net: EmulatedNetwork, pairs: list[tuple[int, int]], count: int,
+                 parallel: int = 5) -> dict[tuple[int, int], list[float]]:
+    """RTT samples per pair; up to ``parallel`` pairs at once, each on its own port
+    (the probes sleep while their frames are held, so they barely load the CPU)."""
+    delays = net.transport_delays()
+    N = net.cluster.n
+    out: dict[tuple[int, int], list[float]] = {}
+    for k in range(0, len(pairs), parallel):
+        running = []
+        for idx, (i, j) in enumerate(pairs[k:k + parallel]):
+            port = str(PORT + 1 + idx)
+            pong = net.popen(j, _py("probe", "pong", "--rank", str(j), "--peer", str(i), "--addr",
+                                    net.addr(j, i), "--port", port, "--delay", repr(delays[i][j]),
+                                    "--servers", str(N)),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            ping = net.popen(i, _py("probe", "ping", "--rank", str(i), "--peer", str(j), "--addr",
+                                    net.addr(i, j), "--port", port, "--delay", repr(delays[j][i]),
+                                    "--servers", str(N), "--count", str(count)),
+                             stdout=subprocess.PIPE, text=True)
+            running.append(((i, j), pong, ping))
+        for pair, pong, ping in running:
+            res, _ = ping.communicate(timeout=600)
+            pong.stdin.write("\n")
+            pong.stdin.flush()
+            pong.wait(timeout=10)
+            out[pair] = json.loads(res.strip().splitlines()[-1])
+    return out
+
+
+def measure_service(cluster: Cluster, shape: MoEShape, server: int, T: float, jobs: int = 100,
+                    d_model: int = 64) -> list[tuple[str, float, float]]:
+    """(kind, modeled, realised) model seconds summed over a burst of ``jobs`` through
+    the stream, for a GPU- and a CPU-resident replica with real kernels."""
+    bank = ExpertBank(ExpertSpec(d_model=d_model, d_ff=3 * d_model),
+                      {0: Replica(0, server, Precision.FP16, True),
+                       1: Replica(1, server, Precision.FP16, False)}, device="cpu")
+    comp = {r: shape.expert_flops / cluster.flops[server] for r in (0, 1)}
+    load = {r: shape.expert_bytes[Precision.FP16] / cluster.pcie[server] for r in (0, 1)}
+    for r in (0, 1):  # warm the kernels up at the sizes the burst uses, as workers do
+        for b in (1, jobs - 1, jobs):
+            bank.run(r, torch.zeros(b, d_model))
+    out = []
+    for r, kind in ((0, "service-gpu"), (1, "service-cpu")):
+        loop = precise_loop()
+        done: list[float] = []
+        s = ModeledStream(loop, T, comp, load, bank.run, lambda j: done.append(time.monotonic()),
+                          lambda x: x == 0)
+        async def burst() -> None:
+            t0 = time.monotonic()
+            for _ in range(jobs):
+                s.submit(Job(r, t0, torch.zeros(d_model)))
+            while len(done) < jobs:
+                await asyncio.sleep(0.005)
+        loop.run_until_complete(asyncio.wait_for(burst(), timeout=60))
+        loop.close()
+        out.append((kind, sum(m for m, _ in s.stats.service), sum(x for _, x in s.stats.service)))
+    return out
+
+
+def run_fidelity(cluster: Cluster, shape: MoEShape, T: float, mechanism: str = "auto",
+                 seconds: float = 0.8, rtt_count: int = 5, pairs: list[tuple[int, int]] | None = None
+                 ) -> tuple[list[Row], dict]:
+    rows: list[Row] = []
+    info: dict = {"dilation": T}
+    psutil.cpu_percent(None)
+    cpu: list[float] = []
+    with EmulatedNetwork(cluster, dilation=T, delay_mechanism=mechanism, cpu_fraction=None) as net:
+        info["delay_mechanism"] = net.mechanism
+        N = cluster.n
+        links = [(m, n) for m in range(N) for n in range(N) if m != n]
+        if pairs is not None:
+            links = [(m, n) for m, n in links if (min(m, n), max(m, n)) in pairs]
+        for (m, n) in links:
+            end = net.ends[(m, n)]
+            cls = tc_classes(lambda c, m=m: net.cmd(m, c), end.intf).get("1:1", {})
+            ok = cls.get("rate_bit") is not None and abs(cls["rate_bit"] / end.rate_bit - 1) <= 0.001
+            rows.append(Row("tc-rate", f"{cluster.names[m]}->{cluster.names[n]}", end.rate_bit / 1e6,
+                            cls.get("rate_bit", 0) / 1e6, ok, "Mbit/s read back"))
+        info["qdiscs"] = {f"{m}->{n}": tc_qdiscs(lambda c, m=m: net.cmd(m, c), net.ends[(m, n)].intf)
+                          for m, n in links}
+        info["delays_s"] = {f"{m}->{n}": net.ends[(m, n)].delay_s for m, n in links}
+        info["cgroups"] = {cluster.names[i]: cgroup_quota(f"htr{i}") for i in range(N)}
+        for (m, n) in links:
+            rate, drops, load = measure_bandwidth(net, m, n, seconds)
+            cpu.append(load)
+            target = net.ends[(m, n)].rate_bit
+            ratio = rate / target
+            rows.append(Row("bandwidth", f"{cluster.names[m]}->{cluster.names[n]}", target / 1e6,
+                            rate / 1e6, BW_TOL[0] <= ratio <= BW_TOL[1] and drops == 0,
+                            f"ratio {ratio:.3f}, drops {drops}"))
+        pair_list = sorted({(min(m, n), max(m, n)) for m, n in links})
+        all_rtts = measure_rtts(net, pair_list, rtt_count)
+        for (i, j) in pair_list:
+            rtts = all_rtts[(i, j)]
+            ser = sum(HEADER_SIZE * 8 / net.ends[e].rate_bit for e in ((i, j), (j, i)))
+            target = (net.ends[(i, j)].delay_s + net.ends[(j, i)].delay_s + ser) / T  # emulated
+            med = statistics.median(rtts) / T
+            tol = max(RTT_ABS, RTT_REL * target)
+            rows.append(Row("rtt", f"{cluster.names[i]}<->{cluster.names[j]}", target * 1e3, med * 1e3,
+                            abs(med - target) <= tol, f"ms emulated; tolerance {tol * 1e3:.2f} ms, "
+                            f"spread {(max(rtts) - min(rtts)) / T * 1e3:.3f} ms"))
+        for (m, n) in links:
+            cls = tc_classes(lambda c, m=m: net.cmd(m, c), net.ends[(m, n)].intf).get("1:1", {})
+            if cls.get("dropped"):
+                rows.append(Row("drops", f"{cluster.names[m]}->{cluster.names[n]}", 0,
+                                cls["dropped"], False))
+    measure_service(cluster, shape, 0, T, jobs=20)  # warm the loop and stream code paths; discarded
+    for n in range(cluster.n):
+        for kind, t, m in measure_service(cluster, shape, n, T):
+            rows.append(Row(kind, cluster.names[n], t * 1e3, m * 1e3, abs(m / t - 1) <= SVC_REL,
+                            "ms of stream time for 100 jobs (model time)"))
+    info["cpu_percent_max"] = max(cpu) if cpu else None
+    if cpu and max(cpu) >= 95:
+        rows.append(Row("cpu", "host", 95, max(cpu), False, "CPU saturated during a bandwidth window"))
+    return rows, info
+
+
+def format_rows(rows: list[Row]) -> str:
+    out = [f"{'check':12s} {'what':16s} {'target':>12s} {'measured':>12s}  ok  note"]
+    for r in rows:
+        out.append(f"{r.kind:12s} {r.what:16s} {r.target:12.4g} {r.measured:12.4g}  "
+                   f"{'ok' if r.ok else 'NO'}  {r.note}")
+    bad = [r for r in rows if not r.ok]
+    out.append(f"{len(rows) - len(bad)}/{len(rows)} checks within tolerance")
+    return "\n".join(out)

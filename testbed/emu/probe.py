@@ -1,0 +1,126 @@
+"""Measurement programs that run inside the emulated hosts (for the fidelity monitor).
+
+``recv --port P``: accept TCP connections and discard what arrives.
+``send --addr A --port P --seconds S``: push bytes to A:P for S seconds.
+``pong --rank N --port P --delay D``: answer PINGs over the workers' transport,
+  holding each frame for the transport delay D (what workers do).
+``ping --rank M --peer N --addr A --port P --delay D --count C``: send C PINGs
+  over the transport and print the round-trip times as JSON.
+
+Only addresses of the run's own hosts are ever used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+
+
+def recv(port: int) -> None:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(8)
+    print("READY", flush=True)
+    conn, _ = srv.accept()
+    buf = bytearray(1 << 20)
+    while conn.recv_into(buf):
+        pass
+
+
+def send(addr: str, port: int, seconds: float) -> None:
+    s = socket.create_connection((addr, port), timeout=10)
+    print("READY", flush=True)
+    chunk = b"\0" * (1 << 16)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        s.sendall(chunk)
+    s.close()
+
+
+def _transport_pair(rank: int, peer: int, addr: str | None, port: int, delay: float, n: int,
+                    on_frame):
+    from .transport import Transport  # imports torch: only the RTT probes need it
+    delays = [0.0] * n
+    delays[peer] = delay
+    peers = {peer: (addr, port)} if addr else {}
+    return Transport(rank, port, peers, delays, on_frame, lambda p, why: None)
+
+
+def pong(rank: int, peer: int, peer_addr: str, port: int, delay: float, n: int) -> None:
+    from .transport import Transport, precise_loop
+    from .wire import ControlKind, Frame, pong_for
+    loop = precise_loop()
+    asyncio.set_event_loop(loop)
+    tr: Transport
+
+    def on_frame(f: Frame, arrival: float) -> None:
+        if f.header.kind == ControlKind.PING:
+            tr.send(peer, pong_for(f, rank, time.monotonic()))
+    tr = _transport_pair(rank, peer, peer_addr, port, delay, n, on_frame)
+    loop.run_until_complete(tr.start())
+    print("READY", flush=True)
+    loop.run_until_complete(loop.run_in_executor(None, sys.stdin.readline))
+
+
+def ping(rank: int, peer: int, addr: str, port: int, delay: float, n: int, count: int) -> None:
+    from .transport import precise_loop
+    from .wire import ControlKind, Frame, control_frame
+    loop = precise_loop()
+    asyncio.set_event_loop(loop)
+    rtts: list[float] = []
+    got = asyncio.Event()
+
+    def on_frame(f: Frame, arrival: float) -> None:
+        if f.header.kind == ControlKind.PONG:
+            rtts.append(arrival - f.header.t_origin)
+            got.set()
+    tr = _transport_pair(rank, peer, addr, port, delay, n, on_frame)
+
+    async def go() -> None:
+        await tr.start()
+        for i in range(count + 1):  # the first exchange warms the connection up
+            got.clear()
+            tr.send(peer, control_frame(ControlKind.PING, rank, t_send=time.monotonic(), seq=i))
+            await asyncio.wait_for(got.wait(), timeout=60)
+        print(json.dumps(rtts[1:]), flush=True)
+    loop.run_until_complete(go())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("recv")
+    r.add_argument("--port", type=int, required=True)
+    s = sub.add_parser("send")
+    s.add_argument("--addr", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--seconds", type=float, required=True)
+    for name in ("pong", "ping"):
+        p = sub.add_parser(name)
+        p.add_argument("--rank", type=int, required=True)
+        p.add_argument("--peer", type=int, required=True)
+        p.add_argument("--addr", required=True)
+        p.add_argument("--port", type=int, required=True)
+        p.add_argument("--delay", type=float, required=True)
+        p.add_argument("--servers", type=int, required=True)
+        if name == "ping":
+            p.add_argument("--count", type=int, default=5)
+    a = ap.parse_args(argv)
+    if a.cmd == "recv":
+        recv(a.port)
+    elif a.cmd == "send":
+        send(a.addr, a.port, a.seconds)
+    elif a.cmd == "pong":
+        pong(a.rank, a.peer, a.addr, a.port, a.delay, a.servers)
+    else:
+        ping(a.rank, a.peer, a.addr, a.port, a.delay, a.servers, a.count)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
