@@ -40,7 +40,8 @@ class WorkloadSpec(_Model):
     gen_tokens: int = Field(0, ge=0)
     users: int = Field(100, ge=1)
     zipf_s: float = Field(1.0, ge=0, description="skew of users over home servers")
-    trace: str = Field("synthetic", description="'synthetic' or a JSON-lines trace file")
+    trace: str = Field("synthetic", description="'synthetic', a JSON-lines trace file, 'proxy' (the "
+                       "measured proxy's held-out trace) or 'auto' (proxy where it exists)")
     trace_params: dict[str, Any] | None = None
     calibration_tokens: int = Field(512, ge=1)
 
@@ -53,7 +54,10 @@ class WorkloadSpec(_Model):
 
 class QualitySpec(_Model):
     budget: float = Field(0.02, ge=0, description="per-token Lambda_max (0.02 = 2%)")
-    profile: str = Field("prior", description="'prior' or a measured profile file (.npz)")
+    profile: str = Field("prior", description="'prior', a profile file (.npz), 'measured' (the "
+                         "proxy profile of `make quality-profile`) or 'auto' (measured where it exists)")
+    replay: bool | Literal["auto"] = Field("auto", description="replay the run on the proxy for "
+                                           "measured quality (quality.json); auto: on a proxy trace")
 
 
 class MemorySpec(_Model):
@@ -74,10 +78,13 @@ class SimSpec(_Model):
 
 class EmuSpec(_Model):
     dilation: float | Literal["auto"] = "auto"
-    delay_mechanism: Literal["auto", "netem", "nfqueue", "transport"] = "auto"
+    delay_mechanism: Literal["auto", "netem", "transport"] = Field(
+        "auto", description="per-pair delay: netem where the kernel has it, else in the transport")
     cpu_fraction: float | Literal["auto"] = Field(
         "auto", description="cgroup CPU share of the machine per worker ('auto': one core)")
     expert_d_model: int = Field(64, ge=8, description="hidden size of the emulated experts")
+    max_drain_s: float = Field(5.0, gt=0, description="emulated seconds to wait after the last "
+                               "arrival; requests unfinished then are recorded as failed")
 
 
 class FaultSpec(_Model):

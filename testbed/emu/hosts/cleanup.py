@@ -43,6 +43,18 @@ def leftovers() -> dict[str, list[str]]:
     return {"processes": procs, "interfaces": intfs, "namespaces": netns, "cgroups": cg}
 
 
+def remove_cgroup(path: str | Path) -> None:
+    """rmdir a cgroup, waiting (2 s at most) for its last task to be gone."""
+    for _ in range(20):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def cleanup(verbose: bool = False) -> dict[str, list[str]]:
     found = leftovers()
     me = os.getpid()
@@ -59,14 +71,7 @@ def cleanup(verbose: bool = False) -> dict[str, list[str]]:
     for name in found["namespaces"]:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
     for path in found["cgroups"]:
-        for _ in range(20):  # a cgroup can be removed once its last task is gone
-            try:
-                os.rmdir(path)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.1)
+        remove_cgroup(path)
     if verbose:
         for k, v in found.items():
             print(f"{k}: {len(v)} removed" + (f" ({', '.join(v[:5])}{' ...' if len(v) > 5 else ''})" if v else ""))

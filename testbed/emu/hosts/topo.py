@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from hetroute.system import Cluster
@@ -202,6 +203,11 @@ class EmulatedNetwork:
                 net.stop()
             except Exception:  # teardown must go on; cleanup() reclaims the rest
                 pass
+            # Mininet deletes its CPU cgroups with cgdelete, absent without cgroup-tools
+            from .cleanup import remove_cgroup
+            for i in range(self.cluster.n):
+                for path in Path("/sys/fs/cgroup").glob(f"*/{names.host(i)}"):
+                    remove_cgroup(path)
         for s, h in getattr(self, "_old_handlers", {}).items():
             signal.signal(s, h)
         self._old_handlers = {}
