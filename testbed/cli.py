@@ -143,6 +143,23 @@ def fidelity(topology: str = typer.Argument(..., help="topology YAML (or a shipp
 
 
 @app.command()
+def agree(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
+          router: list[str] = typer.Option(["hetroute", "edgeshard"], help="routers to compare"),
+          set_: list[str] = typer.Option([], "--set", help="override, e.g. topology=small3"),
+          out: Path = typer.Option(Path("results/agreement"), help="results folder")) -> None:
+    """Emulator vs simulator on one spec, and the emulator at T vs 2T; non-zero exit when out of tolerance."""
+    from .agreement import agreement, format_rows
+    try:
+        rows = agreement(_load(spec, set_), router, out)
+    except SpecError as err:
+        _fail(str(err))
+        return
+    typer.echo(format_rows(rows))
+    if not all(r.ok_mean and r.ok_p99 for r in rows):
+        raise typer.Exit(1)
+
+
+@app.command()
 def routers() -> None:
     """List registered routers."""
     from hetroute.routers import get_router

@@ -365,3 +365,27 @@ def test_garbage_from_one_client_closes_only_that_connection() -> None:
         srv.stop.set()
         srv.thread.join(5)
     assert srv.closed_for_error == 1 and srv.pongs == 5  # read once the server thread ended
+
+
+def test_rendezvous_through_a_tcp_store_gives_each_worker_its_peers() -> None:
+    """Three workers on localhost: each learns the address its peers published for it."""
+    import threading
+
+    from testbed.emu.rendezvous import rendezvous
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        store_port = s.getsockname()[1]
+    out: dict[int, dict] = {}
+
+    def worker(rank: int) -> None:
+        addrs = {str(p): f"127.0.{rank}.{p}" for p in range(3) if p != rank}
+        peers, store = rendezvous(rank, 3, "127.0.0.1", store_port, 9000 + rank, addrs, timeout_s=30)
+        out[rank] = peers
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == {r: {p: (f"127.0.{p}.{r}", 9000 + p) for p in range(3) if p != r} for r in range(3)}

@@ -33,6 +33,7 @@ from .hosts import EmulatedNetwork
 from .hosts.names import WORKER_MARK
 from .hosts.readback import tc_classes
 
+STORE_PORT = 29400  # torch.distributed TCPStore on rank 0
 BASE_PORT = 47000
 
 
@@ -67,7 +68,9 @@ class EmuBackend:
             for rank in range(cl.n):
                 cfg = {"rank": rank, "run_dir": str(out), "spec_file": str(spec_file),
                        "placement_cache": str(cache), "port": BASE_PORT,
-                       "peers": {str(p): [net.addr(rank, p), BASE_PORT] for p in range(cl.n) if p != rank},
+                       "peers": {}, "world": cl.n,  # peers come from the rendezvous
+                       "rendezvous": [net.addr(rank, 0) if rank else net.addr(1, 0), STORE_PORT],
+                       "listen": {str(p): net.addr(p, rank) for p in range(cl.n) if p != rank},
                        "delays_in": [delays[src][rank] for src in range(cl.n)], "dilation": T,
                        "expert_d_model": spec.emu.expert_d_model, "faults": bool(spec.faults)}
                 path = wdir / f"w{rank}.config.json"

@@ -25,6 +25,11 @@ from .experts import ExpertBank, ExpertSpec
 #: kernels, bookkeeping), measured on this project's workers (README, "Emulator").
 CPU_PER_TOKEN_LAYER_S = 1.1e-3
 TARGET_UTILISATION = 0.4
+#: Floor on T from latency, not throughput: each layer costs a few ms of wall time in
+#: routing, framing and event-loop hops, which divide by T. On paper10/Mixtral at
+#: 10 req/s, T=16 (the CPU bound) measured a mean 22% above T=32, and T=32 agreed
+#: with the simulator within 5% (README, "Emulator against simulator").
+MIN_DILATION = 32.0
 
 
 def kernel_seconds(d_model: int, activation: str, repeats: int = 60) -> float:
@@ -44,14 +49,26 @@ def kernel_seconds(d_model: int, activation: str, repeats: int = 60) -> float:
     return times[len(times) // 2]
 
 
+def cpu_bound_dilation(rate_per_s: float, tokens_per_request: int, n_layers: int) -> int:
+    """T at which the workers' CPU work per emulated second fits the cores at the target use."""
+    tl_per_s = rate_per_s * tokens_per_request * n_layers
+    return math.ceil(tl_per_s * CPU_PER_TOKEN_LAYER_S / ((os.cpu_count() or 1) * TARGET_UTILISATION))
+
+
+def auto_dilation(rate_per_s: float, tokens_per_request: int, n_layers: int) -> float:
+    """The larger of the CPU bound and the latency floor."""
+    return float(max(MIN_DILATION, cpu_bound_dilation(rate_per_s, tokens_per_request, n_layers)))
+
+
 def choose_dilation(setup) -> tuple[float, str]:
     spec = setup.spec
     if spec.emu.dilation != "auto":
         return float(spec.emu.dilation), "set in the spec"
     sh, w = setup.shape, spec.workload
-    tl_per_s = w.rate_per_s * (w.prompt_tokens + w.gen_tokens) * sh.n_layers
-    t_cpu = tl_per_s * CPU_PER_TOKEN_LAYER_S / ((os.cpu_count() or 1) * TARGET_UTILISATION)
-    T = float(max(1, math.ceil(t_cpu)))
-    return T, (f"CPU bound: {tl_per_s:.0f} token-layers per emulated second x "
-               f"{CPU_PER_TOKEN_LAYER_S * 1e6:.0f} us of worker CPU each, at "
-               f"{TARGET_UTILISATION:.0%} of {os.cpu_count()} cores")
+    tokens = w.prompt_tokens + w.gen_tokens
+    cpu = cpu_bound_dilation(w.rate_per_s, tokens, sh.n_layers)
+    if cpu <= MIN_DILATION:
+        return MIN_DILATION, f"latency floor MIN_DILATION (CPU bound alone: {cpu})"
+    return float(cpu), (f"CPU bound: {w.rate_per_s * tokens * sh.n_layers:.0f} token-layers per "
+                        f"emulated second x {CPU_PER_TOKEN_LAYER_S * 1e6:.0f} us of worker CPU each, "
+                        f"at {TARGET_UTILISATION:.0%} of {os.cpu_count()} cores")

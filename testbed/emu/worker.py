@@ -57,6 +57,7 @@ from ..records import RecordWriter
 from ..setup import build_setup
 from ..spec import parse_spec
 from .experts import ExpertBank, ExpertSpec
+from .rendezvous import rendezvous
 from .stream import Job, ModeledStream, service_costs
 from .transport import Transport, precise_loop
 from .wire import (ControlKind, DType, Flag, Frame, Header, MsgType, parse_state, state_frame,
@@ -70,9 +71,12 @@ class WorkerConfig:
     spec_file: str
     placement_cache: str
     port: int
-    peers: dict[int, tuple[str, int]]  # peer -> (its address on our link, port)
+    peers: dict[int, tuple[str, int]]  # peer -> (its address on our link, port); {} with rendezvous
     delays_in: list[float]  # transport delay per source, seconds (dilated)
     dilation: float
+    rendezvous: tuple[str, int] | None = None  # torch.distributed TCPStore (host, port) of rank 0
+    world: int = 0  # number of workers (with rendezvous)
+    listen: dict[str, str] = field(default_factory=dict)  # our address per peer rank, or {"*": addr}
     expert_d_model: int = 64
     faults: bool = False  # timeouts are armed only in runs that inject faults
     layer_timeout_s: float = 2.0  # emulated seconds before a stuck layer is re-routed
@@ -179,6 +183,12 @@ class Worker:
         self.loop = loop
         self.stream = ModeledStream(loop, self.T, self.comp, self.load, self.bank.run,
                                     self._job_done, self._resident, self._on_execute, self._log)
+        if self.cfg.rendezvous is not None:  # peers from the store, not from the config
+            host, port = self.cfg.rendezvous
+            peers, self._store = await loop.run_in_executor(
+                None, lambda: rendezvous(self.rank, self.cfg.world, host, port, self.cfg.port,
+                                         self.cfg.listen))
+            self.cfg.peers = peers
         self.net = Transport(self.rank, self.cfg.port, self.cfg.peers, self.cfg.delays_in,
                              self._on_frame, self._peer_lost, log=self._log)
         await self.net.start()
@@ -346,7 +356,9 @@ class Worker:
                      lam_acc=float(hdr.lam_acc), t_origin=t_layer, t_send=t_dec,
                      mode=min(retries, 255), ctx=tuple(ctx), dtype=DType.FLOAT32, shape=(self.d,))
         frame = self._hidden_frame(out, h)
-        for n in participants:
+        # the aggregator needs the header even where it runs none of the targets
+        # (a whole-layer pipeline such as EdgeShard aggregates away from its experts)
+        for n in sorted(set(participants) | {int(a.next_server)}):
             if not self._send(n, frame):
                 self.view.alive[n] = False
                 self.view.faultless = False

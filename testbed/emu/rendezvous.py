@@ -1,0 +1,47 @@
+"""Workers find each other through a torch.distributed TCPStore.
+
+Rank 0 hosts the store; every worker publishes where its peers can reach it
+(its address per peer: on the emulator each pair has its own link and so its
+own address; on real hosts one address, keyed ``*``) and its data-plane port,
+then reads everyone else's. The emulator passes each worker the store's
+address on its link to rank 0; on real machines the same worker is started
+with the store host (``MASTER_ADDR``-style) and its own address, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+
+def rendezvous(rank: int, world: int, store_host: str, store_port: int, port: int,
+               my_addrs: dict[str, str], timeout_s: float = 120.0):
+    """Return ({peer: (address to reach it, port)}, store). Keep the store alive:
+    rank 0's worker serves it, and it waits until every rank has read the table."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(store_host, store_port, world, is_master=(rank == 0),
+                     timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store.set(f"htr/worker/{rank}", json.dumps({"port": port, "addrs": my_addrs}))
+    peers = {}
+    for p in range(world):
+        if p == rank:
+            continue
+        info = json.loads(store.get(f"htr/worker/{p}"))  # blocks until p has published
+        addr = info["addrs"].get(str(rank), info["addrs"].get("*"))
+        if addr is None:
+            raise RuntimeError(f"worker {p} published no address for worker {rank}: {info}")
+        peers[p] = (addr, int(info["port"]))
+    store.add("htr/read", 1)
+    if rank == 0:  # the store lives in this process: serve it until everyone has read
+        _wait_count(store, "htr/read", world, timeout_s)
+    return peers, store
+
+
+def _wait_count(store, key: str, n: int, timeout_s: float) -> None:
+    import time
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rendezvous: only {store.add(key, 0)}/{n} workers read the table")
+        time.sleep(0.01)
