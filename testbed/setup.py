@@ -73,6 +73,49 @@ def make_trace(model: ModelSpec, source: str, params: dict | None, seed: int) ->
         raise SpecError(f"workload.trace: {err}") from None
 
 
+QUALITY_ROOT = Path("results/quality")  # where `make quality-profile` writes, per model
+
+
+def resolve_inputs(spec: ExperimentSpec, quality_root: Path = QUALITY_ROOT) -> ExperimentSpec:
+    """Replace the symbolic inputs by the files they stand for, so that
+    ``spec.resolved.yaml`` names exactly what a run used: quality profile
+    'measured'/'auto', trace 'proxy'/'auto' and replay 'auto'.
+
+    'auto' takes the measured proxy profile and trace where they exist
+    (issue 6: the measured profile where it exists) and the prior and
+    synthetic trace otherwise; 'measured' and 'proxy' insist on them.
+    """
+    try:
+        name = get_model(spec.workload.model).name
+    except KeyError as err:
+        raise SpecError(f"workload.model: {err.args[0]}") from None
+    folder = quality_root / name
+    hint = f"run `make quality-profile` (python -m workloads.proxy profile --model {name}) first"
+    over: dict = {}
+    prof = folder / "profile.npz"
+    if spec.quality.profile in ("measured", "auto"):
+        if prof.exists():
+            over["quality.profile"] = str(prof)
+        elif spec.quality.profile == "measured":
+            raise SpecError(f"quality.profile: no measured profile {prof}; {hint}")
+        else:
+            over["quality.profile"] = "prior"
+    trace = folder / "trace.jsonl"
+    if spec.workload.trace in ("proxy", "auto"):
+        if trace.exists():
+            over["workload.trace"] = str(trace)
+        elif spec.workload.trace == "proxy":
+            raise SpecError(f"workload.trace: no proxy trace {trace}; {hint}")
+        else:
+            over["workload.trace"] = "synthetic"
+    if spec.quality.replay == "auto":
+        t = Path(over.get("workload.trace", spec.workload.trace))
+        meta = t.with_name(t.name.removesuffix(".jsonl") + ".meta.json")
+        over["quality.replay"] = spec.workload.trace != "synthetic" and t.suffix == ".jsonl" \
+            and meta.exists() and "proxy" in meta.read_text()
+    return spec.with_overrides(over) if over else spec
+
+
 def resolve_topology(spec: ExperimentSpec) -> TopologySpec:
     if isinstance(spec.topology, GeneratedTopology):
         return generate(spec.topology.servers, spec.topology.seed)
@@ -86,6 +129,7 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
     With ``placement_cache``, a deployment computed before for the same inputs
     (everything placement depends on, hashed) is reused instead of placed again.
     """
+    spec = resolve_inputs(spec)
     topo = resolve_topology(spec)
     cluster = topo.to_cluster()
     for i, f in enumerate(spec.faults):
@@ -157,10 +201,15 @@ def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path) -> Path:
         "quality": spec.quality.model_dump(mode="json"), "memory": spec.memory.model_dump(mode="json"),
         "router": spec.router.model_dump(mode="json"), "seed": spec.seed, "window": spec.window_s,
         "calib": [w.trace, w.trace_params, w.calibration_tokens, w.users, w.zipf_s, w.prompt_tokens],
+        "inputs": [_digest(p) for p in (spec.quality.profile, w.trace) if Path(p).is_file()],
         "code": _code_version(),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return root / f"{spec.router.name.replace(':', '_')}-{digest}.json"
+
+
+def _digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def _code_version() -> str:
@@ -169,6 +218,8 @@ def _code_version() -> str:
     root = Path(__file__).resolve().parent.parent
     for pkg in ("hetroute", "workloads"):
         for f in sorted((root / pkg).rglob("*.py")):
+            if "proxy" in f.relative_to(root).parts:  # the proxy model does not place
+                continue
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
 

@@ -37,3 +37,27 @@ def test_overrides_and_files(tmp_path):
         parse_override("rate")
     with pytest.raises(SpecError, match="no such spec"):
         load_spec(tmp_path / "missing.yaml")
+
+
+def test_symbolic_quality_inputs_resolve_to_files(tmp_path) -> None:
+    """'auto' falls back to the prior and the synthetic trace, 'measured'/'proxy' insist,
+    and the resolved spec names the files used."""
+    from testbed.setup import resolve_inputs
+    from testbed.spec import parse_spec
+
+    base = {"workload": {"model": "switch", "trace": "auto"}, "quality": {"profile": "auto"}}
+    s = resolve_inputs(parse_spec(base), tmp_path)
+    assert (s.quality.profile, s.workload.trace, s.quality.replay) == ("prior", "synthetic", False)
+    with pytest.raises(SpecError, match="quality-profile"):
+        resolve_inputs(parse_spec({**base, "quality": {"profile": "measured"}}), tmp_path)
+    with pytest.raises(SpecError, match="proxy trace"):
+        resolve_inputs(parse_spec({**base, "workload": {"model": "switch", "trace": "proxy"}}), tmp_path)
+    d = tmp_path / "switch-base-8"
+    d.mkdir()
+    (d / "profile.npz").write_bytes(b"x")
+    (d / "trace.jsonl").write_text("")
+    (d / "trace.meta.json").write_text('{"source": "proxy:switch-base-8"}')
+    s = resolve_inputs(parse_spec(base), tmp_path)
+    assert s.quality.profile == str(d / "profile.npz") and s.workload.trace == str(d / "trace.jsonl")
+    assert s.quality.replay is True
+    assert resolve_inputs(s, tmp_path) == s  # idempotent

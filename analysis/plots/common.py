@@ -121,3 +121,16 @@ def _empty(ax, title: str) -> None:
     ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     ax.set_xticks([])
     ax.set_yticks([])
+
+
+def with_degradation(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Add ``degradation_pct``: the measured per-request degradation on the proxy
+    (``quality.json`` of a replayed run, issue 6) where every run has it, else the
+    surrogate Lambda of eq. (8); the returned label says which one was drawn."""
+    if df.empty:
+        return df, "degradation"
+    col = "measured.degradation_mean"
+    if col in df and df[col].notna().all():
+        return df.assign(degradation_pct=df[col] * 100, surrogate_pct=df.lam_mean * 100), \
+            "measured KL / CE_ref on the proxy"
+    return df.assign(degradation_pct=df.lam_mean * 100), "surrogate Lambda, eq. (8)"

@@ -1,0 +1,1 @@
+"""Quality analysis: the surrogate (Lambda) against measured degradation."""

@@ -1,0 +1,23 @@
+"""Proxy MoE language models: measured inference quality instead of an assumed one.
+
+The quality model of Section III-C needs q per expert and precision and
+Q_sub per substitute, measured as KL divergence from the full-precision output
+on calibration text. The evaluated models (Mixtral-8x7B, Qwen1.5-MoE-A2.7B,
+Switch-Base-8) cannot run here, so each gets a proxy with its exact MoE shape
+(layers, experts per layer, top-k, Qwen's shared expert) and a tiny width,
+trained on CPU on real text (Python's documentation, ``data``). On it:
+
+- ``profile``: q (INT8 per-channel, INT4 group-wise) and Q_sub of every
+  expert, written with ``testbed.quality_io.save_profile`` so a spec can use
+  it (``quality: {profile: results/quality/mixtral-8x7b/profile.npz}``);
+- ``trace``: the proxy's own routing on held-out text as a JSON-lines trace,
+  so a run (``workload: {trace: PATH.jsonl}``) serves real routing of known text;
+- ``replay``: the run's recorded choices (substitutes, precisions) re-executed
+  on that text: measured per-request degradation, perplexity change, and the
+  surrogate check against Lambda (``analysis/quality/surrogate.py``).
+
+Command line: ``python -m workloads.proxy {train,profile,trace,replay}``.
+Weights are cached in ``<repo>/.cache/proxy/`` (git-ignored), keyed by a hash
+of the config, the text and the training code. Nothing here keeps global
+state; torch runs single-threaded from the command line for reproducibility.
+"""
