@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 FIG ?= 9
 BACKEND ?= emu
 SCALE ?= quick
+RESULTS ?= results
+FIGURES ?= figures
 APT_PACKAGES := mininet iperf3 iptables iproute2 libnetfilter-queue1
 
 .PHONY: setup system-packages venv test test-fast bench experiment figures report clean-net quality-profile compare clean
@@ -43,14 +45,14 @@ bench: $(STAMP)
 
 ## experiment: one figure of the paper, e.g. make experiment FIG=9 BACKEND=sim SCALE=smoke
 experiment: $(STAMP)
-	$(PYTHON) -m testbed sweep --fig $(FIG) --backend $(BACKEND) --scale $(SCALE)
-	$(PYTHON) -m analysis figure --fig $(FIG) --backend $(BACKEND) --scale $(SCALE)
+	$(PYTHON) -m testbed sweep --fig $(FIG) --backend $(BACKEND) --scale $(SCALE) --results $(RESULTS)
+	$(PYTHON) -m analysis figure --fig $(FIG) --backend $(BACKEND) --scale $(SCALE) --results $(RESULTS) --out $(FIGURES)
 
 figures: $(STAMP)
-	$(PYTHON) -m analysis figures
+	$(PYTHON) -m analysis figures --results $(RESULTS) --out $(FIGURES)
 
 report: $(STAMP)
-	$(PYTHON) -m analysis report
+	$(PYTHON) -m analysis report --out $(FIGURES)
 
 ## compare: every router on paper10 / Mixtral at the default load (sim)
 compare: $(STAMP)

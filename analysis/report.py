@@ -62,6 +62,9 @@ def build_report(out: Path) -> Path:
         lines.append("")
     lines += ["## Where the testbed disagrees with the paper", ""]
     lines += summary or ["Nothing: every evaluated claim agrees or is close."]
+    why = Path(__file__).resolve().parent / "findings.md"
+    if why.exists():  # the reasons, written by people from the measurements, not tuned
+        lines += ["", why.read_text().strip()]
     path = out / "REPORT.md"
     path.write_text("\n".join(lines) + "\n")
     return path

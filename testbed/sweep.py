@@ -27,6 +27,7 @@ from tqdm import tqdm
 from topologies.schema import one_line
 
 from .runner import is_complete, run_experiment
+from .setup import resolve_inputs
 from .spec import ExperimentSpec, SpecError, parse_spec
 
 Scale = Literal["smoke", "quick", "full"]
@@ -47,6 +48,8 @@ class FigureSpec(BaseModel):
     axes: dict[str, list[Any]] = Field(default_factory=dict)
     scales: dict[Scale, ScaleSpec]
     backends: dict[Literal["sim", "emu"], dict[str, Any]] = Field(default_factory=dict)
+    # the emulator runs in wall time x T on 2 cores: a scale may be smaller there
+    emu_scales: dict[Scale, ScaleSpec] = Field(default_factory=dict)
     panels: list[dict[str, Any]] = Field(default_factory=list)  # read by the plotting script
     claims: list[dict[str, Any]] = Field(default_factory=list)  # read by analysis/claims.py
 
@@ -88,7 +91,7 @@ def _slug(values: dict[str, Any]) -> str:
 def expand(fig: FigureSpec, backend: str, scale: Scale, results: Path) -> list[Point]:
     if scale not in fig.scales:
         raise SpecError(f"figure {fig.figure} has no scale {scale!r}")
-    sc = fig.scales[scale]
+    sc = fig.emu_scales[scale] if backend == "emu" and scale in fig.emu_scales else fig.scales[scale]
     axes = {k: sc.axes.get(k, v) for k, v in fig.axes.items()}
     base = parse_spec(fig.base, f"fig{fig.figure}.base").with_overrides(
         {"backend": backend, **fig.backends.get(backend, {}), **sc.set})  # type: ignore[dict-item]
@@ -98,8 +101,8 @@ def expand(fig: FigureSpec, backend: str, scale: Scale, results: Path) -> list[P
         values = dict(zip(names, combo))
         key = _slug(values)
         for seed in sc.seeds:
-            spec = base.with_overrides({**values, "seed": seed,
-                                        "name": f"fig{fig.figure}-{key}-s{seed}"})
+            spec = resolve_inputs(base.with_overrides({**values, "seed": seed,
+                                                       "name": f"fig{fig.figure}-{key}-s{seed}"}))
             d = results / f"fig{fig.figure}" / f"{backend}-{scale}" / key / f"seed{seed}"
             out.append(Point(key, values, seed, spec, d))
     return out
@@ -121,8 +124,10 @@ def estimate_s(p: Point) -> float:
     placement = next((v for k, v in place.items() if k in w.model), 3.0)
     token_layers = w.rate_per_s * w.duration_s * (w.prompt_tokens + w.gen_tokens) * L
     if s.backend == "emu":
-        dil = 10.0 if s.emu.dilation == "auto" else float(s.emu.dilation)
-        return placement + 20.0 + w.duration_s * dil * 1.3
+        from .emu.dilation import auto_dilation
+        dil = auto_dilation(w.rate_per_s, w.prompt_tokens + w.gen_tokens, L) \
+            if s.emu.dilation == "auto" else float(s.emu.dilation)
+        return placement + 25.0 + (w.duration_s + 0.3 * s.emu.max_drain_s) * dil
     return placement + token_layers / 15_000
 
 
