@@ -92,27 +92,22 @@ def resolve_inputs(spec: ExperimentSpec, quality_root: Path = QUALITY_ROOT) -> E
     folder = quality_root / name
     hint = f"run `make quality-profile` (python -m workloads.proxy profile --model {name}) first"
     over: dict = {}
-    prof = folder / "profile.npz"
-    if spec.quality.profile in ("measured", "auto"):
-        if prof.exists():
-            over["quality.profile"] = str(prof)
-        elif spec.quality.profile == "measured":
-            raise SpecError(f"quality.profile: no measured profile {prof}; {hint}")
+    # field, its value, the word that insists on the file, the file, the fallback of 'auto'
+    for key, value, insist, path, fallback in (
+            ("quality.profile", spec.quality.profile, "measured", folder / "profile.npz", "prior"),
+            ("workload.trace", spec.workload.trace, "proxy", folder / "trace.jsonl", "synthetic")):
+        if value not in (insist, "auto"):
+            continue
+        if path.exists():
+            over[key] = str(path)
+        elif value == insist:
+            raise SpecError(f"{key}: no {insist} file {path}; {hint}")
         else:
-            over["quality.profile"] = "prior"
-    trace = folder / "trace.jsonl"
-    if spec.workload.trace in ("proxy", "auto"):
-        if trace.exists():
-            over["workload.trace"] = str(trace)
-        elif spec.workload.trace == "proxy":
-            raise SpecError(f"workload.trace: no proxy trace {trace}; {hint}")
-        else:
-            over["workload.trace"] = "synthetic"
+            over[key] = fallback
     if spec.quality.replay == "auto":
         t = Path(over.get("workload.trace", spec.workload.trace))
         meta = t.with_name(t.name.removesuffix(".jsonl") + ".meta.json")
-        over["quality.replay"] = spec.workload.trace != "synthetic" and t.suffix == ".jsonl" \
-            and meta.exists() and "proxy" in meta.read_text()
+        over["quality.replay"] = t.suffix == ".jsonl" and meta.exists() and "proxy" in meta.read_text()
     return spec.with_overrides(over) if over else spec
 
 

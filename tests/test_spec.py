@@ -50,7 +50,7 @@ def test_symbolic_quality_inputs_resolve_to_files(tmp_path) -> None:
     assert (s.quality.profile, s.workload.trace, s.quality.replay) == ("prior", "synthetic", False)
     with pytest.raises(SpecError, match="quality-profile"):
         resolve_inputs(parse_spec({**base, "quality": {"profile": "measured"}}), tmp_path)
-    with pytest.raises(SpecError, match="proxy trace"):
+    with pytest.raises(SpecError, match="no proxy file"):
         resolve_inputs(parse_spec({**base, "workload": {"model": "switch", "trace": "proxy"}}), tmp_path)
     d = tmp_path / "switch-base-8"
     d.mkdir()
