@@ -73,6 +73,19 @@ def lines(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str = "rou
     else:
         sns.lineplot(data=df, x=x, y=metric, marker="o", errorbar=CI, seed=0, ax=ax)
     ax.set(title=title, xlabel=x.split(".")[-1], ylabel="")
+    _log_if_spread(ax, df[metric])
+
+
+def _log_if_spread(ax, values: pd.Series) -> None:
+    """Latencies that span orders of magnitude (a saturated baseline) on a log axis."""
+    v = values[values > 0]
+    if metric_is_time(values.name) and len(v) and v.max() / v.min() > 20:
+        ax.set_yscale("log")
+        ax.set_title(ax.get_title() + " (log)")
+
+
+def metric_is_time(name) -> bool:
+    return isinstance(name, str) and name.endswith("_ms")
 
 
 def grouped_bars(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str = "router.name") -> None:
