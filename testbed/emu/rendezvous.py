@@ -32,16 +32,7 @@ def rendezvous(rank: int, world: int, store_host: str, store_port: int, port: in
         if addr is None:
             raise RuntimeError(f"worker {p} published no address for worker {rank}: {info}")
         peers[p] = (addr, int(info["port"]))
-    store.add("htr/read", 1)
+    store.set(f"htr/read/{rank}", "1")
     if rank == 0:  # the store lives in this process: serve it until everyone has read
-        _wait_count(store, "htr/read", world, timeout_s)
+        store.wait([f"htr/read/{p}" for p in range(world)], timedelta(seconds=timeout_s))
     return peers, store
-
-
-def _wait_count(store, key: str, n: int, timeout_s: float) -> None:
-    import time
-    deadline = time.monotonic() + timeout_s
-    while store.add(key, 0) < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rendezvous: only {store.add(key, 0)}/{n} workers read the table")
-        time.sleep(0.01)
