@@ -77,6 +77,8 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
     metrics = compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s, spec.quality.budget)
     if spec.quality.replay is True and out_dir is not None:
         info["quality_replay_s"] = _replay(out_dir, metrics)
+    if spec.quality.inrun and out_dir is not None:
+        metrics["inrun"] = _collect_inrun(out_dir, spec)
     info["wall_s"] = round(time.perf_counter() - t0, 3)
     info["status"] = "complete"
     if out_dir is not None:
@@ -93,6 +95,25 @@ def _replay(out_dir: Path, metrics: dict) -> float:
     summary = replay_run_dir(out_dir)
     metrics["measured"] = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
     return round(time.perf_counter() - t, 3)
+
+
+def _collect_inrun(out_dir: Path, spec: ExperimentSpec) -> dict:
+    """Quality the workers measured during the run (issue 6): quality_inrun.csv and a summary."""
+    from workloads.proxy.inrun import collect
+
+    _, summary = collect(out_dir, _ce_ref(spec), spec.workload.warmup_s)
+    return {k: v for k, v in summary.items() if isinstance(v, (int, float))}
+
+
+def _ce_ref(spec: ExperimentSpec) -> float:
+    from workloads.proxy.data import load_corpus
+    from workloads.proxy.replay import reference_ce
+    from workloads.proxy.trace import trace_proxy
+
+    corpus = load_corpus()
+    model, _ = trace_proxy(Path(spec.workload.trace), corpus)
+    prof = spec.quality.profile
+    return reference_ce(Path(prof) if prof != "prior" else None, model, corpus)
 
 
 def _run_backend(setup: RunSetup, writer: RecordWriter, progress: bool) -> dict:

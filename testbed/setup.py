@@ -108,7 +108,26 @@ def resolve_inputs(spec: ExperimentSpec, quality_root: Path = QUALITY_ROOT) -> E
         t = Path(over.get("workload.trace", spec.workload.trace))
         meta = t.with_name(t.name.removesuffix(".jsonl") + ".meta.json")
         over["quality.replay"] = t.suffix == ".jsonl" and meta.exists() and "proxy" in meta.read_text()
+    if spec.quality.inrun:
+        _check_inrun(spec, Path(over.get("workload.trace", spec.workload.trace)), hint)
     return spec.with_overrides(over) if over else spec
+
+
+def _check_inrun(spec: ExperimentSpec, trace: Path, hint: str) -> None:
+    """quality.inrun runs the proxy on the request's own text: the emulator, a proxy trace."""
+    from workloads.proxy.profile import SEGMENT
+
+    if spec.backend != "emu":
+        raise SpecError("quality.inrun: only emulated workers execute the proxy during a run; "
+                        "the simulator measures quality by replay (quality.replay)")
+    meta = trace.with_name(trace.name.removesuffix(".jsonl") + ".meta.json")
+    if trace.suffix != ".jsonl" or not meta.exists() or "proxy" not in meta.read_text():
+        raise SpecError(f"quality.inrun: needs workload.trace 'proxy' (a proxy trace), got "
+                        f"{str(trace)!r}; {hint}")
+    n = spec.workload.prompt_tokens + spec.workload.gen_tokens
+    if n > SEGMENT:
+        raise SpecError(f"quality.inrun: at most {SEGMENT} tokens per request (a trace segment), "
+                        f"got prompt_tokens + gen_tokens = {n}")
 
 
 def resolve_topology(spec: ExperimentSpec) -> TopologySpec:

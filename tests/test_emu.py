@@ -124,3 +124,51 @@ def test_sigkilled_runner_is_reclaimed_by_clean_net() -> None:
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_inrun_quality_workers_run_the_proxy_on_real_hidden_states(tmp_path: Path) -> None:
+    """quality.inrun: every request's loss measured by the workers during the run.
+
+    A seconds-to-train Mixtral-shaped proxy makes the trace; on small3 the
+    placement quantizes experts, so the loss is not zero. For the first token
+    of each request, whose attention context is only itself, the workers'
+    KL must equal the whole-request replay's (the same experts at the same
+    precisions, computed across processes and sockets).
+    """
+    import numpy as np
+    import pandas as pd
+
+    from testbed.records import read_records
+    from workloads.proxy.data import load_corpus
+    from workloads.proxy.model import tiny_config
+    from workloads.proxy.replay import plans_from_records, replay_plans
+    from workloads.proxy.trace import export_trace, meta_path
+    from workloads.proxy.train import cache_path, default_cache_dir, load_or_train
+
+    corpus = load_corpus()
+    cfg = tiny_config("mixtral")
+    model, _ = load_or_train(cfg, corpus)  # cached under its own key, beside the real proxies
+    trace = tmp_path / "trace.jsonl"
+    export_trace(model, corpus, trace, 64, 8, cache_path(cfg, corpus, default_cache_dir()).stem)
+    spec, res, tl, rq, n = _run(
+        tmp_path, workload={**SPEC["workload"], "model": "mixtral", "trace": str(trace),
+                            "rate_per_s": 10, "duration_s": 0.6},
+        quality={"inrun": True, "replay": True})
+    run = tmp_path / "run"
+    ok = rq[rq.status == "ok"]
+    assert len(ok) == n > 0
+    inrun = pd.read_csv(run / "quality_inrun.csv")
+    assert sorted(inrun.request) == sorted(ok.request)
+    assert (inrun.tokens == 36).all() and (inrun.kl_nats >= 0).all()
+    assert inrun.quantized.sum() > 0 and inrun.kl_nats.max() > 0  # not a trivially exact run
+    m = res.metrics["inrun"]
+    assert m["requests"] == int(inrun.measured.sum()) and "replay_spearman_rho" in m
+    # the replay's first-token KL, per request, from the same records
+    tl2, _ = read_records(run)
+    ids = sorted(int(r) for r in ok.request)
+    import json
+    plans, _ = plans_from_records(tl2, ids, corpus, json.loads(meta_path(trace).read_text()),
+                                  cfg.n_layers, cfg.experts)
+    kl, _, _ = replay_plans(model, model.bank(), plans)
+    got = inrun.set_index("request").loc[ids, "kl_first_token"].to_numpy()
+    assert np.allclose(got, kl[:, 0], rtol=1e-3, atol=1e-9), (got, kl[:, 0])

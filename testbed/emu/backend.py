@@ -48,6 +48,10 @@ class EmuBackend:
         s, spec, out = self.s, self.s.spec, self.out
         cl = s.cluster
         T, why = choose_dilation(s)
+        if spec.quality.inrun:  # workers load the trace's proxy; train it here if the cache lacks it
+            from workloads.proxy.data import load_corpus
+            from workloads.proxy.trace import trace_proxy
+            trace_proxy(Path(spec.workload.trace), load_corpus())
         cache = out / "placement"
         _save_placement(_cache_file(spec, s.topology, cache), s.deployment, s.router.placement_report)
         spec_file = out / "spec.resolved.yaml"

@@ -30,6 +30,11 @@ TARGET_UTILISATION = 0.4
 #: 10 req/s, T=16 (the CPU bound) measured a mean 22% above T=32, and T=32 agreed
 #: with the simulator within 5% (README, "Emulator against simulator").
 MIN_DILATION = 32.0
+#: With quality.inrun each hop also runs the proxy (attention, gate, scoring): measured on
+#: paper10/Mixtral at 10 req/s, worker CPU 0.92 -> 1.20 ms per token-layer and the mean
+#: latency 15% above the same run without it at T=32, equal to it at T=64 (README).
+INRUN_CPU_PER_TOKEN_LAYER_S = 0.4e-3
+INRUN_MIN_DILATION = 64.0
 
 
 def kernel_seconds(d_model: int, activation: str, repeats: int = 60) -> float:
@@ -49,10 +54,11 @@ def kernel_seconds(d_model: int, activation: str, repeats: int = 60) -> float:
     return times[len(times) // 2]
 
 
-def cpu_bound_dilation(rate_per_s: float, tokens_per_request: int, n_layers: int) -> int:
+def cpu_bound_dilation(rate_per_s: float, tokens_per_request: int, n_layers: int,
+                       cpu_per_token_layer_s: float = CPU_PER_TOKEN_LAYER_S) -> int:
     """T at which the workers' CPU work per emulated second fits the cores at the target use."""
     tl_per_s = rate_per_s * tokens_per_request * n_layers
-    return math.ceil(tl_per_s * CPU_PER_TOKEN_LAYER_S / ((os.cpu_count() or 1) * TARGET_UTILISATION))
+    return math.ceil(tl_per_s * cpu_per_token_layer_s / ((os.cpu_count() or 1) * TARGET_UTILISATION))
 
 
 def auto_dilation(rate_per_s: float, tokens_per_request: int, n_layers: int) -> float:
@@ -66,9 +72,13 @@ def choose_dilation(setup) -> tuple[float, str]:
         return float(spec.emu.dilation), "set in the spec"
     sh, w = setup.shape, spec.workload
     tokens = w.prompt_tokens + w.gen_tokens
-    cpu = cpu_bound_dilation(w.rate_per_s, tokens, sh.n_layers)
-    if cpu <= MIN_DILATION:
-        return MIN_DILATION, f"latency floor MIN_DILATION (CPU bound alone: {cpu})"
+    inrun = bool(spec.quality.inrun)
+    per_tl = CPU_PER_TOKEN_LAYER_S + (INRUN_CPU_PER_TOKEN_LAYER_S if inrun else 0.0)
+    floor, floor_name = (INRUN_MIN_DILATION, "INRUN_MIN_DILATION") if inrun else \
+        (MIN_DILATION, "MIN_DILATION")
+    cpu = cpu_bound_dilation(w.rate_per_s, tokens, sh.n_layers, per_tl)
+    if cpu <= floor:
+        return floor, f"latency floor {floor_name} (CPU bound alone: {cpu})"
     return float(cpu), (f"CPU bound: {w.rate_per_s * tokens * sh.n_layers:.0f} token-layers per "
-                        f"emulated second x {CPU_PER_TOKEN_LAYER_S * 1e6:.0f} us of worker CPU each, "
+                        f"emulated second x {per_tl * 1e6:.0f} us of worker CPU each, "
                         f"at {TARGET_UTILISATION:.0%} of {os.cpu_count()} cores")

@@ -230,3 +230,26 @@ class ExpertBank:
             raise ValueError(f"hidden must be [B, {self.spec.d_model}], got {tuple(hidden.shape)}")
         x = hidden.to(device=self.device, dtype=self.compute_dtype)
         return ffn(w, x, self.spec.activation).to(hidden.dtype)
+
+
+class ProxyBank:
+    """A server's replicas as the trained proxy's experts (``quality.inrun``).
+
+    Same interface as ``ExpertBank``; the weights are the proxy's at the
+    replica's precision as the quality profile measured them (the proxy's
+    fake quantisation), so what a worker computes is what the profile and the
+    replay assume. ``stepper`` is a ``workloads.proxy.inrun.ProxyStepper``.
+    """
+
+    def __init__(self, stepper, replicas: Mapping[int, Replica], experts_per_layer: int) -> None:
+        self.stepper = stepper
+        self.replicas = dict(replicas)
+        self.E = experts_per_layer
+
+    def __contains__(self, replica_id: int) -> bool:
+        return replica_id in self.replicas
+
+    def run(self, replica_id: int, hidden: torch.Tensor) -> torch.Tensor:
+        rep = self.replicas[replica_id]
+        layer, expert = divmod(rep.expert, self.E)
+        return self.stepper.expert(layer, expert, int(rep.precision), hidden)

@@ -56,7 +56,7 @@ from hetroute.state import ExecType, Mode, StateView, TokenView, Unroutable
 from ..records import RecordWriter
 from ..setup import build_setup
 from ..spec import parse_spec
-from .experts import ExpertBank, ExpertSpec
+from .experts import ExpertBank, ExpertSpec, ProxyBank
 from .rendezvous import rendezvous
 from .stream import Job, ModeledStream, service_costs
 from .transport import Transport, precise_loop
@@ -126,6 +126,7 @@ class _Request:
     next_gen: int = 0
     lams: list = field(default_factory=list)
     done: bool = False
+    scores: dict = field(default_factory=dict)  # token -> (KL, CE ref, CE run), quality.inrun
 
 
 class Worker:
@@ -144,10 +145,22 @@ class Worker:
         self.dynamic = type(s.router).dynamic_residency
         reps = {i: r for i, r in enumerate(self.dep.replicas) if r.server == self.rank}
         act = "relu" if s.model.expert_matrices == 2 else "swiglu"
-        d = cfg.expert_d_model
         torch.set_num_threads(1)
-        self.bank = ExpertBank(ExpertSpec(d_model=d, d_ff=3 * d, activation=act, seed=spec.seed), reps)
-        self.d = d
+        self.proxy = None  # quality.inrun: the proxy's real hidden states and trained experts
+        if spec.quality.inrun:
+            from workloads.proxy.inrun import INRUN_DIR, stepper_for_run
+            self.proxy = stepper_for_run(spec, [rq.id for rq in s.requests])
+            self.proxy.prepare()  # every request's exact reference, before the clock starts
+            self.bank = ProxyBank(self.proxy, reps, s.shape.experts_per_layer)
+            self.d = self.proxy.cfg.d_model
+            self.E = s.shape.experts_per_layer
+            qdir = Path(cfg.run_dir) / INRUN_DIR
+            qdir.mkdir(parents=True, exist_ok=True)
+            self.inrun_file = open(qdir / f"w{self.rank}.jsonl", "a", encoding="utf-8")
+        else:
+            d = cfg.expert_d_model
+            self.bank = ExpertBank(ExpertSpec(d_model=d, d_ff=3 * d, activation=act, seed=spec.seed), reps)
+            self.d = d
         cl, sh = s.cluster, s.shape
         self.comp, self.load = service_costs(cl, sh, self.dep, self.rank)
         self.dense_s = sh.dense_flops / cl.flops[self.rank]
@@ -304,8 +317,11 @@ class Worker:
             self._start_token(req, i)
 
     def _start_token(self, req: _Request, index: int) -> None:
-        g = torch.Generator().manual_seed(hash((self.spec.seed, req.rid, index)) & 0x7FFFFFFF)
-        h = torch.randn(self.d, generator=g)
+        if self.proxy is not None:
+            h = self.proxy.embed(req.rid, index)
+        else:
+            g = torch.Generator().manual_seed(hash((self.spec.seed, req.rid, index)) & 0x7FFFFFFF)
+            h = torch.randn(self.d, generator=g)
         hdr = Header(MsgType.TOKEN, request=req.rid, token=index, layer=0, home=self.rank,
                      residing=self.rank, src=self.rank, t_origin=self.now())
         self._begin_layer(hdr, h, ())
@@ -313,6 +329,8 @@ class Worker:
     # -- the residing server: dense part, then route and fan out -----------------------
     def _begin_layer(self, hdr: Header, h: torch.Tensor, ctx: tuple) -> None:
         t_layer = self.now()
+        if self.proxy is not None:  # the layer's attention (and dense block) runs here
+            h = self.proxy.attend(int(hdr.request), int(hdr.token), int(hdr.layer), h)
         self.loop.call_at(self.wall(t_layer + self.dense_s), self._decide, hdr, h, ctx, t_layer, 0)
 
     def _decide(self, hdr: Header, h: torch.Tensor, rctx: tuple, t_layer: float, retries: int) -> None:
@@ -431,8 +449,13 @@ class Worker:
                 if self.dep.replicas[r].server == self.rank]
         if not mine:
             return
-        _, weights = self._routing(int(h.request), self._n_tokens(int(h.request), h))
-        w = weights[int(h.token), int(h.layer)]
+        if self.proxy is not None:  # gate weights from the real state, routing fixed (as replay)
+            layer = int(h.layer)
+            x = self.proxy.moe_input(layer, x)
+            w = self.proxy.gate(layer, x, [e - layer * self.E for e, _, _ in triples]).tolist()
+        else:
+            _, weights = self._routing(int(h.request), self._n_tokens(int(h.request), h))
+            w = weights[int(h.token), int(h.layer)]
         p = _Participation(key, h, len(mine), torch.zeros(self.d), (arrival - self.t0) / self.T)
         self.parts[key] = p
         for j, _, r in mine:
@@ -488,10 +511,16 @@ class Worker:
             del self.gathers[old]  # an abandoned attempt of this layer
         t = self.now()
         triples, view_age_us, err_us, rctx = self._assignment(h)
-        out = g.hidden.clone()
-        for part in g.partials.values():
-            out += part[0]
-        out = out / out.pow(2).mean().clamp_min(1e-12).sqrt()
+        if self.proxy is not None:
+            routed = torch.zeros_like(g.hidden)
+            for part in g.partials.values():
+                routed += part[0]
+            out = self.proxy.combine(int(h.layer), g.hidden, routed)
+        else:
+            out = g.hidden.clone()
+            for part in g.partials.values():
+                out += part[0]
+            out = out / out.pow(2).mean().clamp_min(1e-12).sqrt()
         theta = int(h.residing)
         gpus = [True] * len(triples)
         for n, (_, _, _, _, bits) in g.partials.items():
@@ -563,6 +592,8 @@ class Worker:
         if rq is None or rq.done:
             return
         rq.lams.append(float(h.lam_acc))
+        if self.proxy is not None:
+            rq.scores[int(h.token)] = self.proxy.score(rq.rid, int(h.token), frame.tensor())
         if int(h.token) < rq.prompt:
             rq.remaining_prompt -= 1
             if rq.remaining_prompt > 0:
@@ -595,6 +626,14 @@ class Worker:
         self.writer.request((rq.rid, rq.user, self.rank, rq.arrival, t, t - rq.arrival,
                              rq.prompt + rq.gen, sum(lams) / len(lams) if lams else math.nan,
                              max(lams) if lams else math.nan, status, reason))
+        if self.proxy is not None and status == "ok":
+            sc = [rq.scores[i] for i in sorted(rq.scores)]
+            self.inrun_file.write(json.dumps({
+                "request": rq.rid, "arrival_s": rq.arrival, "tokens": len(sc),
+                "lam_mean": sum(lams) / len(lams), "lam_max": max(lams),
+                "kl_tokens": [s[0] for s in sc], "ce_ref_tokens": [s[1] for s in sc],
+                "ce_run_tokens": [s[2] for s in sc]}) + "\n")
+            self.inrun_file.flush()  # a killed run keeps every finished request
         self.decider.on_request_done(rq.rid)
         print(f"DONE {rq.rid}", flush=True)
         self.pending_home -= 1
@@ -623,6 +662,8 @@ class Worker:
 
     def close(self) -> dict:
         self.writer.close()
+        if self.proxy is not None:
+            self.inrun_file.close()
         st = self.stream.stats
         late = np.array(st.late) if st.late else np.zeros(1)
         svc = np.array(st.service) if st.service else np.zeros((1, 2))

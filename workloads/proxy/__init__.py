@@ -15,6 +15,10 @@ trained on CPU on real text (Python's documentation, ``data``). On it:
 - ``replay``: the run's recorded choices (substitutes, precisions) re-executed
   on that text: measured per-request degradation, perplexity change, and the
   surrogate check against Lambda (``analysis/quality/surrogate.py``).
+- ``inrun``: one token through the proxy one layer at a time, as emulated
+  workers run it during a run with ``quality.inrun`` (real hidden states over
+  the sockets, trained experts at the replica's precision, per-token KL
+  scored by the home server).
 
 Command line: ``python -m workloads.proxy {train,profile,trace,replay}``.
 Weights are cached in ``<repo>/.cache/proxy/`` (git-ignored), keyed by a hash

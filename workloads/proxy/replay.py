@@ -43,7 +43,7 @@ from hetroute.system import Precision
 from .data import Corpus, segments
 from .model import ExpertBank, Plan, ProxyMoE
 from .profile import SEGMENT, kl_rows
-from .trace import file_request, meta_path
+from .trace import file_request, meta_path, trace_proxy
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,6 @@ def replay_run_dir(run_dir: Path, trace: Path | None = None, profile: Path | Non
     from ..models import get_model
     from .data import load_corpus
     from .model import proxy_config
-    from .profile import calibration_ce
     from .train import load_or_train
 
     spec = yaml.safe_load((run_dir / "spec.resolved.yaml").read_text())
@@ -232,12 +231,20 @@ def replay_run_dir(run_dir: Path, trace: Path | None = None, profile: Path | Non
         raise ValueError(f"trace {trace} not found")
     prof = profile or (Path(spec["quality"]["profile"]) if spec["quality"]["profile"] != "prior" else None)
     corpus = load_corpus()
-    model, _ = load_or_train(proxy_config(name), corpus, cache, log)
-    quality, ce_ref = None, None
-    if prof is not None:
-        quality = load_profile(prof, get_model(name).shape())
-        with np.load(prof) as z:
-            ce_ref = json.loads(str(z["meta"])).get("ce_ref_nats")
-    if ce_ref is None:
-        ce_ref = calibration_ce(model, corpus)
-    return run_replay(run_dir, model, corpus, trace, quality, ce_ref)[1]
+    if cache is None:  # the proxy that made the trace
+        model, _ = trace_proxy(trace, corpus, log)
+    else:
+        model, _ = load_or_train(proxy_config(name), corpus, cache, log)
+    quality = load_profile(prof, get_model(name).shape()) if prof is not None else None
+    return run_replay(run_dir, model, corpus, trace, quality, reference_ce(prof, model, corpus))[1]
+
+
+def reference_ce(profile: Path | None, model: ProxyMoE, corpus: Corpus) -> float:
+    """The unit of q and Lambda: the profile's reference cross-entropy, else measured anew."""
+    if profile is not None and profile.suffix == ".npz":
+        with np.load(profile) as z:
+            ce = json.loads(str(z["meta"])).get("ce_ref_nats")
+        if ce is not None:
+            return float(ce)
+    from .profile import calibration_ce
+    return calibration_ce(model, corpus)

@@ -21,6 +21,7 @@ digest, segment length and the id -> (split, segment) table replay uses.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 
 from ..traces import CALIBRATION_ID_BASE
 from .data import Corpus, segments
-from .model import ProxyMoE
+from .model import ProxyConfig, ProxyMoE, proxy_config
 from .profile import SEGMENT
 
 
@@ -70,7 +71,8 @@ def export_trace(model: ProxyMoE, corpus: Corpus, path: Path, requests: int = 51
                             "experts": idx[r, t, layer].tolist(),
                             "weights": [round(float(x), 6) for x in w[r, t, layer]]},
                             separators=(",", ":")) + "\n")
-    meta = {"model": cfg.model, "proxy_key": cache_key, "text_sha256": corpus.digest,
+    meta = {"model": cfg.model, "proxy_key": cache_key, "proxy_config": asdict(cfg),
+            "text_sha256": corpus.digest,
             "text": corpus.source, "segment_tokens": SEGMENT, "heldout_requests": requests,
             "calibration_requests": calibration_requests,
             "calibration_id_base": CALIBRATION_ID_BASE}
@@ -85,3 +87,21 @@ def file_request(request_id: int, meta: dict) -> tuple[str, int]:
     present = request_id < n or base <= request_id < base + m
     rid = request_id if present else ids[request_id % len(ids)]
     return ("heldout", rid) if rid < n else ("calibration", rid - base)
+
+
+def trace_proxy(trace: Path, corpus: Corpus, log=None) -> tuple[ProxyMoE, dict]:
+    """The proxy whose routing ``trace`` holds, from the weight cache; and the sidecar.
+
+    The sidecar names the proxy (its config, and its cache key); a cache that
+    holds other weights under that config (changed training code or text) is
+    an error rather than a silent retrain that would no longer match the trace.
+    """
+    from .train import cache_path, default_cache_dir, load_or_train
+
+    meta = json.loads(meta_path(trace).read_text())
+    cfg = ProxyConfig(**meta["proxy_config"]) if "proxy_config" in meta else proxy_config(meta["model"])
+    key = cache_path(cfg, corpus, default_cache_dir()).stem
+    if meta.get("proxy_key") and key != meta["proxy_key"]:
+        raise ValueError(f"{trace} was made by proxy {meta['proxy_key']}, but this code and text "
+                         f"give {key}; re-export it (make quality-profile)")
+    return load_or_train(cfg, corpus, log=log)[0], meta
