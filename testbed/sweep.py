@@ -128,7 +128,24 @@ def estimate_s(p: Point) -> float:
         dil = auto_dilation(w.rate_per_s, w.prompt_tokens + w.gen_tokens, L) \
             if s.emu.dilation == "auto" else float(s.emu.dilation)
         return placement + 25.0 + (w.duration_s + 0.3 * s.emu.max_drain_s) * dil
-    return placement + token_layers / 15_000
+    return placement + token_layers / 15_000 + (_replay_s(token_layers) if _replays(s) else 0.0)
+
+
+def _replays(spec) -> bool:
+    """Whether the run will be replayed on the proxy (quality.replay, resolved)."""
+    try:
+        return resolve_inputs(spec).quality.replay is True
+    except SpecError:
+        return False
+
+
+def _replay_s(token_layers: float) -> float:
+    """Replay on the proxy: loading it and the profile, then re-executing every token-layer.
+
+    Fitted to Fig. 4 quick here (Mixtral, 4 s at 40 req/s: 20-33 s of replay and ~15 s of
+    loading per run, two runs at a time on 2 cores).
+    """
+    return 15.0 + token_layers * 1.1e-4
 
 
 def _run_one(p: Point, cache: Path | None = None) -> tuple[str, float]:

@@ -51,8 +51,9 @@ import numpy as np
 import torch
 import yaml
 
-from hetroute.state import ExecType, Mode, StateView, TokenView, Unroutable
+from hetroute.state import ExecType, StateView, TokenView, Unroutable
 
+from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
 from ..setup import build_setup
 from ..spec import parse_spec
@@ -115,18 +116,14 @@ class _Gather:
     retries: int = 0
 
 
-@dataclass
-class _Request:
-    rid: int
-    user: int
-    arrival: float
-    prompt: int
-    gen: int
-    remaining_prompt: int
-    next_gen: int = 0
-    lams: list = field(default_factory=list)
-    done: bool = False
-    scores: dict = field(default_factory=dict)  # token -> (KL, CE ref, CE run), quality.inrun
+class _Request(RequestProgress):
+    __slots__ = ("rid", "user", "arrival", "done", "scores")
+
+    def __init__(self, rid: int, user: int, arrival: float, prompt: int, gen: int) -> None:
+        super().__init__(prompt, gen)
+        self.rid, self.user, self.arrival = rid, user, arrival
+        self.done = False
+        self.scores: dict[int, tuple[float, float, float]] = {}  # token -> KL, CE ref, CE run
 
 
 class Worker:
@@ -311,7 +308,7 @@ class Worker:
         return got
 
     def _arrive(self, rq) -> None:
-        req = _Request(rq.id, rq.user, rq.arrival_s, rq.prompt_tokens, rq.gen_tokens, rq.prompt_tokens)
+        req = _Request(rq.id, rq.user, rq.arrival_s, rq.prompt_tokens, rq.gen_tokens)
         self.requests[rq.id] = req
         for i in range(req.prompt):
             self._start_token(req, i)
@@ -591,18 +588,13 @@ class Worker:
         rq = self.requests.get(int(h.request))
         if rq is None or rq.done:
             return
-        rq.lams.append(float(h.lam_acc))
         if self.proxy is not None:
             rq.scores[int(h.token)] = self.proxy.score(rq.rid, int(h.token), frame.tensor())
-        if int(h.token) < rq.prompt:
-            rq.remaining_prompt -= 1
-            if rq.remaining_prompt > 0:
-                return
-        if rq.next_gen < rq.gen:
-            rq.next_gen += 1
-            self._start_token(rq, rq.prompt + rq.next_gen - 1)
-            return
-        self._request_done(rq, "ok", "")
+        nxt = rq.token_done(int(h.token), float(h.lam_acc))
+        if nxt == FINISHED:
+            self._request_done(rq, "ok", "")
+        elif nxt is not None:
+            self._start_token(rq, nxt)
 
     def _token_failed(self, h: Header, reason: str) -> None:
         self.stats["failed_tokens"] += 1
@@ -622,15 +614,14 @@ class Worker:
     def _request_done(self, rq: _Request, status: str, reason: str) -> None:
         rq.done = True
         t = self.now()
-        lams = rq.lams
+        lam_mean, lam_max = rq.lam_stats()
         self.writer.request((rq.rid, rq.user, self.rank, rq.arrival, t, t - rq.arrival,
-                             rq.prompt + rq.gen, sum(lams) / len(lams) if lams else math.nan,
-                             max(lams) if lams else math.nan, status, reason))
+                             rq.prompt + rq.gen, lam_mean, lam_max, status, reason))
         if self.proxy is not None and status == "ok":
             sc = [rq.scores[i] for i in sorted(rq.scores)]
             self.inrun_file.write(json.dumps({
                 "request": rq.rid, "arrival_s": rq.arrival, "tokens": len(sc),
-                "lam_mean": sum(lams) / len(lams), "lam_max": max(lams),
+                "lam_mean": lam_mean, "lam_max": lam_max,
                 "kl_tokens": [s[0] for s in sc], "ce_ref_tokens": [s[1] for s in sc],
                 "ce_run_tokens": [s[2] for s in sc]}) + "\n")
             self.inrun_file.flush()  # a killed run keeps every finished request

@@ -24,13 +24,13 @@ Views are refreshed from the true stream backlogs at every window boundary
 from __future__ import annotations
 
 import heapq
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from hetroute.state import ExecType, StateView, TokenView, Unroutable
 
+from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
 
 if TYPE_CHECKING:
@@ -60,16 +60,12 @@ class _Token:
         self.retries = 0  # re-routes of the current layer forced by faults
 
 
-class _Request:
-    __slots__ = ("rid", "user", "home", "arrival", "prompt", "gen", "remaining_prompt",
-                 "next_gen", "lams", "failed", "reason", "targets")
+class _Request(RequestProgress):
+    __slots__ = ("rid", "user", "home", "arrival", "failed", "reason", "targets")
 
     def __init__(self, rid: int, user: int, home: int, arrival: float, prompt: int, gen: int):
+        super().__init__(prompt, gen)
         self.rid, self.user, self.home, self.arrival = rid, user, home, arrival
-        self.prompt, self.gen = prompt, gen
-        self.remaining_prompt = prompt
-        self.next_gen = 0
-        self.lams: list[float] = []
         self.failed = False
         self.reason = ""
 
@@ -511,23 +507,16 @@ class SimBackend:
         req = tok.req
         if req.failed:
             return
-        req.lams.append(tok.view.lam_acc)
-        if tok.view.index < req.prompt:
-            req.remaining_prompt -= 1
-            if req.remaining_prompt > 0:
-                return
-        if req.next_gen < req.gen:
-            req.next_gen += 1
-            self._start_token(req, req.prompt + req.next_gen - 1)
-            return
-        self._request_done(req)
+        nxt = req.token_done(tok.view.index, tok.view.lam_acc)
+        if nxt == FINISHED:
+            self._request_done(req)
+        elif nxt is not None:
+            self._start_token(req, nxt)
 
     def _request_done(self, req: _Request) -> None:
         t = self.now
-        lams = req.lams
         self.w.request((req.rid, req.user, req.home, req.arrival, t, t - req.arrival,
-                        req.prompt + req.gen, sum(lams) / len(lams) if lams else math.nan,
-                        max(lams) if lams else math.nan,
+                        req.prompt + req.gen, *req.lam_stats(),
                         "failed" if req.failed else "ok", req.reason))
         for d in {id(x): x for x in self.deciders}.values():
             d.on_request_done(req.rid)

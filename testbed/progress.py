@@ -1,0 +1,42 @@
+"""How a request advances as its tokens finish: one rule for both backends.
+
+Prompt tokens all start when the request arrives and may finish in any
+order; the first generated token starts when the last prompt token is done,
+and each later one when the one before it is done (autoregressive decoding).
+"""
+
+from __future__ import annotations
+
+import math
+
+FINISHED = -1
+
+
+class RequestProgress:
+    """Token bookkeeping of one request; backends subclass it with their own fields."""
+
+    __slots__ = ("prompt", "gen", "remaining_prompt", "next_gen", "lams")
+
+    def __init__(self, prompt: int, gen: int) -> None:
+        self.prompt, self.gen = prompt, gen
+        self.remaining_prompt = prompt
+        self.next_gen = 0
+        self.lams: list[float] = []  # each finished token's accumulated Lambda (eq. 8)
+
+    def token_done(self, index: int, lam: float) -> int | None:
+        """Record token ``index``; the index of the token to start next, ``FINISHED``
+        when the request is complete, or None while prompt tokens are still out."""
+        self.lams.append(lam)
+        if index < self.prompt:
+            self.remaining_prompt -= 1
+            if self.remaining_prompt > 0:
+                return None
+        if self.next_gen < self.gen:
+            self.next_gen += 1
+            return self.prompt + self.next_gen - 1
+        return FINISHED
+
+    def lam_stats(self) -> tuple[float, float]:
+        """(mean, max) of the finished tokens' Lambda; NaN before any finished."""
+        lams = self.lams
+        return (sum(lams) / len(lams), max(lams)) if lams else (math.nan, math.nan)
