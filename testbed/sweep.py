@@ -40,6 +40,23 @@ class ScaleSpec(BaseModel):
     axes: dict[str, list[Any]] = Field(default_factory=dict)  # replaces an axis' values
 
 
+class Restriction(BaseModel):
+    """A partial grid: points whose values are all in ``when`` run only at the ``only`` values.
+
+    Fig. 4 sweeps the budget for HetRoute alone; the baselines ignore the budget
+    and are compared at the 2% default: ``{when: {router.name: [prism]},
+    only: {quality.budget: [0.02]}}``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    when: dict[str, list[Any]] = Field(min_length=1)
+    only: dict[str, list[Any]] = Field(min_length=1)
+
+    def drops(self, values: dict[str, Any]) -> bool:
+        return (all(values.get(k) in v for k, v in self.when.items())
+                and not all(values.get(k) in v for k, v in self.only.items()))
+
+
 class FigureSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     figure: int
@@ -50,6 +67,7 @@ class FigureSpec(BaseModel):
     backends: dict[Literal["sim", "emu"], dict[str, Any]] = Field(default_factory=dict)
     # the emulator runs in wall time x T on 2 cores: a scale may be smaller there
     emu_scales: dict[Scale, ScaleSpec] = Field(default_factory=dict)
+    restrict: list[Restriction] = Field(default_factory=list)
     panels: list[dict[str, Any]] = Field(default_factory=list)  # read by the plotting script
     claims: list[dict[str, Any]] = Field(default_factory=list)  # read by analysis/claims.py
 
@@ -95,10 +113,16 @@ def expand(fig: FigureSpec, backend: str, scale: Scale, results: Path) -> list[P
     axes = {k: sc.axes.get(k, v) for k, v in fig.axes.items()}
     base = parse_spec(fig.base, f"fig{fig.figure}.base").with_overrides(
         {"backend": backend, **fig.backends.get(backend, {}), **sc.set})  # type: ignore[dict-item]
+    for r in fig.restrict:
+        unknown = sorted((set(r.when) | set(r.only)) - set(axes))
+        if unknown:
+            raise SpecError(f"fig{fig.figure}.restrict: {', '.join(unknown)} is not an axis")
     out = []
     names = list(axes)
     for combo in itertools.product(*(axes[n] for n in names)):
         values = dict(zip(names, combo))
+        if any(r.drops(values) for r in fig.restrict):
+            continue
         key = _slug(values)
         for seed in sc.seeds:
             spec = resolve_inputs(base.with_overrides({**values, "seed": seed,

@@ -96,3 +96,32 @@ def test_flatten_and_select():
     assert flatten({"a": 1, "b": {"c": 2, "d": {"e": 3}}}) == {"a": 1, "b.c": 2, "b.d.e": 3}
     df = pd.DataFrame({"x": [1.0, 2.0], "y": ["a", "b"]})
     assert len(select(df, {"x": 2})) == 1 and len(select(df, {"y": "a", "zz": 1})) == 1
+
+
+def test_restrict_makes_a_partial_grid(tmp_path):
+    spec = load_figure(figure_path(4))
+    pts = expand(spec, "sim", "quick", tmp_path)
+    by_router = {}
+    for p in pts:
+        by_router.setdefault(p.values["router.name"], set()).add(p.values["quality.budget"])
+    assert len(by_router["hetroute"]) == 6 and by_router["prism"] == by_router["moe-infinity"] == {0.02}
+    assert len(pts) == (6 + 1 + 1) * 3
+    bad = spec.model_copy(update={"restrict": [type(spec.restrict[0])(when={"nope": [1]}, only={"seed": [0]})]})
+    with pytest.raises(SpecError, match="not an axis"):
+        expand(bad, "sim", "quick", tmp_path)
+
+
+@pytest.mark.parametrize("spread, scale", [(100.0, "log"), (3.0, "linear")])
+def test_latency_bars_spanning_orders_of_magnitude_use_a_log_axis(spread, scale):
+    import matplotlib
+    matplotlib.use("Agg")
+    from analysis.plots import common as C
+
+    df = pd.DataFrame({"router.name": ["hetroute", "prism"] * 2, "model": ["a", "a", "b", "b"],
+                       "mean_ms": [10.0, 10.0 * spread, 12.0, 11.0]})
+    for draw in (lambda ax: C.router_bars(ax, df, "mean_ms", "t"),
+                 lambda ax: C.grouped_bars(ax, df, "mean_ms", "model", "t")):
+        fig, (ax,) = C.grid(1, "x")
+        draw(ax)
+        assert ax.get_yscale() == scale
+        C.plt.close(fig)

@@ -58,6 +58,7 @@ def router_bars(ax, df: pd.DataFrame, metric: str, title: str, x: str = "router.
     ax.set_xticks(range(len(order)))
     ax.set_xticklabels([LABELS.get(o, o) for o in order], rotation=30, ha="right")
     ax.set(title=title, xlabel="", ylabel="")
+    _log_if_spread(ax, df[metric])
 
 
 def lines(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str = "router.name") -> None:
@@ -98,6 +99,7 @@ def grouped_bars(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles, [LABELS.get(lb, lb) for lb in labels], fontsize=7)
     ax.set(title=title, xlabel=x.split(".")[-1], ylabel="")
+    _log_if_spread(ax, df[metric])
 
 
 def cdf(ax, rq: pd.DataFrame, title: str, hue: str = "router.name") -> None:
