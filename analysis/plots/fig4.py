@@ -18,6 +18,8 @@ def render(data: FigureData):
     df = data.runs
     df, source = C.with_degradation(df)
     C.router_bars(a, select(df, pa.get("where", {})), "degradation_pct", f"{pa['title']} (%)\n{source}")
+    for bars in a.containers:  # a method that never quantizes has a zero bar: say so
+        a.bar_label(bars, fmt="%.3g", fontsize=7)
     sub = select(df, pb.get("where", {}))
     if sub.empty:
         C._empty(b, pb["title"])
