@@ -50,9 +50,10 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
     info["status"] = "running"
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for sub in ("token_layers", "requests"):
+        for sub in ("token_layers", "requests", "quality_inrun"):
             shutil.rmtree(out_dir / sub, ignore_errors=True)
-        (out_dir / "metrics.json").unlink(missing_ok=True)
+        for name in ("metrics.json", "quality_inrun.csv", "quality_replay.csv", "quality.json"):
+            (out_dir / name).unlink(missing_ok=True)  # nothing of an earlier attempt is merged
         (out_dir / "spec.resolved.yaml").write_text(spec.to_yaml())
         write_json_atomic(out_dir / "run.json", info)
     t0 = time.perf_counter()

@@ -147,12 +147,12 @@ def estimate_s(p: Point) -> float:
     place = {"switch": 1.0, "qwen": 15.0, "mixtral": 3.0}
     placement = next((v for k, v in place.items() if k in w.model), 3.0)
     token_layers = w.rate_per_s * w.duration_s * (w.prompt_tokens + w.gen_tokens) * L
+    replay = _replay_s(token_layers) if _replays(s) else 0.0
     if s.backend == "emu":
-        from .emu.dilation import auto_dilation
-        dil = auto_dilation(w.rate_per_s, w.prompt_tokens + w.gen_tokens, L) \
-            if s.emu.dilation == "auto" else float(s.emu.dilation)
-        return placement + 25.0 + (w.duration_s + 0.3 * s.emu.max_drain_s) * dil
-    return placement + token_layers / 15_000 + (_replay_s(token_layers) if _replays(s) else 0.0)
+        from .emu.dilation import dilation_for
+        dil = dilation_for(s, L)[0]
+        return placement + 25.0 + (w.duration_s + 0.3 * s.emu.max_drain_s) * dil + replay
+    return placement + token_layers / 15_000 + replay
 
 
 def _replays(spec) -> bool:

@@ -160,3 +160,34 @@ def test_inrun_raises_the_dilation_floor():
     shape = get_model("mixtral").shape()
     assert choose_dilation(SimpleNamespace(spec=busy, shape=shape))[0] > \
         choose_dilation(SimpleNamespace(spec=plain, shape=shape))[0]
+
+
+def test_reference_follows_the_given_routes(proxy):
+    """The run follows the trace's targets; the reference must use the same experts."""
+    model, seg, idx = proxy
+    forced = (idx[0] + 1) % model.cfg.experts  # not the proxy's own choice
+    exact = np.zeros_like(forced)
+    own = _step(ProxyStepper(model, {0: seg[0]}), 0, forced, forced, exact)
+    given = _step(ProxyStepper(model, {0: seg[0]}, routes=lambda rid: forced), 0, forced, forced, exact)
+    assert np.all(given < 1e-9) and own.max() > 1e-6
+
+
+def test_collect_counts_a_request_once_and_tolerates_none(tmp_path):
+    import json
+
+    from testbed.records import RecordWriter
+    from workloads.proxy.inrun import INRUN_DIR, collect
+
+    assert collect(tmp_path, 1.0, 0.0)[1] == {"requests": 0}  # e.g. every request failed
+    w = RecordWriter(tmp_path, 2)
+    for layer in range(2):
+        w.token_layer((0, 0, layer, 0.0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0),
+                      ([1, 2], [1, 3], [0, 1], [0, 0], [0, 2], [True, True], [0, 0]))
+    w.close()
+    line = json.dumps({"request": 0, "arrival_s": 1.0, "tokens": 1, "lam_mean": 0.1, "lam_max": 0.1,
+                       "kl_tokens": [0.2], "ce_ref_tokens": [2.0], "ce_run_tokens": [2.1]})
+    (tmp_path / INRUN_DIR).mkdir()
+    (tmp_path / INRUN_DIR / "w0.jsonl").write_text(line + "\n" + line + "\n")
+    df, summary = collect(tmp_path, 2.0, 0.5)
+    assert len(df) == 1 and summary["requests"] == 1
+    assert df.degradation[0] == pytest.approx(0.1) and df.quantized[0] == 2 and df.substituted[0] == 2

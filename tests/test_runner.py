@@ -92,3 +92,15 @@ def test_placement_cache_reuses_the_same_deployment(tmp_path):
     run_experiment(spec.with_overrides({"router.params.memory_ratio": 1.5}), tmp_path / "c",
                    progress=False, placement_cache=cache)
     assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_rerun_into_a_folder_drops_what_an_earlier_attempt_left(tmp_path):
+    out = tmp_path / "r"
+    (out / "quality_inrun").mkdir(parents=True)
+    (out / "quality_inrun" / "w0.jsonl").write_text('{"request": 0}\n')
+    for name in ("quality_inrun.csv", "quality_replay.csv", "quality.json"):
+        (out / name).write_text("stale")
+    run_experiment(parse_spec(TINY), out, progress=False)
+    assert not (out / "quality_inrun").exists()
+    assert not any((out / n).exists() for n in ("quality_inrun.csv", "quality_replay.csv", "quality.json"))
+    assert is_complete(out)

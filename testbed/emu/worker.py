@@ -146,14 +146,17 @@ class Worker:
         self.proxy = None  # quality.inrun: the proxy's real hidden states and trained experts
         if spec.quality.inrun:
             from workloads.proxy.inrun import INRUN_DIR, stepper_for_run
-            self.proxy = stepper_for_run(spec, [rq.id for rq in s.requests])
+            n_tok = spec.workload.prompt_tokens + spec.workload.gen_tokens
+            self.proxy = stepper_for_run(  # the reference follows the trace's experts, as the run
+                spec, [rq.id for rq in s.requests],
+                lambda rid: np.asarray(s.trace.route(rid, n_tok).experts))
             self.proxy.prepare()  # every request's exact reference, before the clock starts
             self.bank = ProxyBank(self.proxy, reps, s.shape.experts_per_layer)
             self.d = self.proxy.cfg.d_model
             self.E = s.shape.experts_per_layer
             qdir = Path(cfg.run_dir) / INRUN_DIR
             qdir.mkdir(parents=True, exist_ok=True)
-            self.inrun_file = open(qdir / f"w{self.rank}.jsonl", "a", encoding="utf-8")
+            self.inrun_file = open(qdir / f"w{self.rank}.jsonl", "w", encoding="utf-8")
         else:
             d = cfg.expert_d_model
             self.bank = ExpertBank(ExpertSpec(d_model=d, d_ff=3 * d, activation=act, seed=spec.seed), reps)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +38,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from .model import ProxyMoE, _ffn
+from .model import Plan, ProxyMoE, _ffn
 from .profile import SEGMENT, kl_rows
 
 
@@ -55,11 +55,16 @@ class ProxyStepper:
     """Per-token, per-layer execution of ``model`` on the texts of a run's requests.
 
     ``texts`` maps request id -> bytes (at least tokens + 1 values). Each
-    request's exact reference is computed once, in batches, by ``prepare``.
+    request's exact reference is computed once, in batches, by ``prepare``,
+    with the experts ``routes(rid)`` gives ((tokens, L, k) local ids: the
+    trace's targets, which the run follows) or, without it, the proxy's own
+    top-k (the same experts, unless a near-tie rounds the other way).
     """
 
-    def __init__(self, model: ProxyMoE, texts: Mapping[int, np.ndarray]) -> None:
+    def __init__(self, model: ProxyMoE, texts: Mapping[int, np.ndarray],
+                 routes: Callable[[int], np.ndarray] | None = None) -> None:
         self.model = model
+        self.routes = routes
         self.cfg = model.cfg
         self.bank = model.bank()
         self.texts = {int(r): np.asarray(t, dtype=np.int64) for r, t in texts.items()}
@@ -89,13 +94,15 @@ class ProxyStepper:
                 chunk = rids[s:s + batch]
                 text = torch.from_numpy(np.stack([self.texts[r] for r in chunk]))
                 h = m.embed_tokens(text[:, :-1])
+                plan = None if self.routes is None else Plan.exact(torch.from_numpy(
+                    np.stack([np.asarray(self.routes(r), dtype=np.int64) for r in chunk])))
                 kvs = []
                 for layer in range(self.cfg.n_layers):
                     if m.dense is not None:
                         kvs.append(self._kv(m.dense[layer].attn, h))
                         h = m.dense[layer](h)
                     kvs.append(self._kv(m.moe[layer].attn, h))
-                    h = m.moe[layer](h, layer, None, None)[0]
+                    h = m.moe[layer](h, layer, plan, None)[0]
                 logp = torch.log_softmax(F.linear(m.norm(h), m.head).double(), dim=-1)
                 for b, r in enumerate(chunk):
                     self.refs[r] = _Reference([(k[b].clone(), v[b].clone()) for k, v in kvs],
@@ -198,7 +205,8 @@ def run_texts(spec, meta: dict, corpus, request_ids) -> dict[int, np.ndarray]:
     return out
 
 
-def stepper_for_run(spec, request_ids, log=lambda msg: None) -> ProxyStepper:
+def stepper_for_run(spec, request_ids, routes: Callable[[int], np.ndarray] | None = None,
+                    log=lambda msg: None) -> ProxyStepper:
     """The proxy that made the run's trace (from the weight cache) and the requests' texts."""
     from .data import load_corpus
     from .trace import trace_proxy
@@ -206,7 +214,7 @@ def stepper_for_run(spec, request_ids, log=lambda msg: None) -> ProxyStepper:
     corpus = load_corpus()
     model, meta = trace_proxy(Path(spec.workload.trace), corpus, log)
     torch.set_grad_enabled(False)
-    return ProxyStepper(model, run_texts(spec, meta, corpus, request_ids))
+    return ProxyStepper(model, run_texts(spec, meta, corpus, request_ids), routes)
 
 
 # -- results ---------------------------------------------------------------------------
@@ -237,9 +245,11 @@ def collect(run_dir: Path, ce_ref: float, warmup_s: float) -> tuple[pd.DataFrame
         for line in f.read_text().splitlines():
             if line.strip():
                 rows.append(json.loads(line))
-    if not rows:
-        raise ValueError(f"{run_dir}: no in-run quality lines (was quality.inrun on?)")
-    df = pd.DataFrame(rows).sort_values("request", kind="stable").reset_index(drop=True)
+    if not rows:  # e.g. every request failed: nothing measured, the run's other results stand
+        return pd.DataFrame(), {"requests": 0}
+    # one line per request; a line repeated (a worker restarted into this folder) counts once
+    df = (pd.DataFrame(rows).drop_duplicates("request", keep="last")
+          .sort_values("request", kind="stable").reset_index(drop=True))
     kl = df.pop("kl_tokens").map(np.asarray)
     ce0, ce1 = df.pop("ce_ref_tokens").map(np.asarray), df.pop("ce_run_tokens").map(np.asarray)
     df["kl_nats"] = kl.map(np.mean)
