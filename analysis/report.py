@@ -14,13 +14,17 @@ from testbed.sweep import figure_path, load_figure
 from .render import FIGURES
 
 
+def _has_unit(metric: str) -> bool:
+    """Metrics in ms, tokens/s or GB print as numbers; shares and ratios as percentages."""
+    return metric.endswith("_ms") or "tok_s" in metric or metric.startswith("gb_")
+
+
 def _fmt(v, kind: str, metric: str) -> str:
     if v is None:
         return "-"
     if isinstance(v, list):
         return ", ".join(_fmt(x, "value", metric) if not isinstance(x, str) else x for x in v)
-    if kind in ("reduction",) or (isinstance(v, float) and abs(v) <= 1.0 and not metric.endswith("_ms")
-                                  and "tok_s" not in metric):
+    if kind in ("reduction",) or (isinstance(v, float) and abs(v) <= 1.0 and not _has_unit(metric)):
         return f"{100 * v:.1f}%"
     if kind == "ratio":
         return f"{v:.2f}x"

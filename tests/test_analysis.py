@@ -125,3 +125,12 @@ def test_latency_bars_spanning_orders_of_magnitude_use_a_log_axis(spread, scale)
         draw(ax)
         assert ax.get_yscale() == scale
         C.plt.close(fig)
+
+
+def test_report_prints_quantities_with_units_as_numbers_and_shares_as_percent():
+    from analysis.report import _fmt
+    assert _fmt(0.132, "value", "gb_per_1k_tokens") == "0.132"
+    assert _fmt(0.5, "value", "mean_ms") == "0.5"
+    assert _fmt(0.286, "value", "remote_ratio") == "28.6%"
+    assert _fmt(0.3, "reduction", "mean_ms") == "30.0%"
+    assert _fmt(2.13, "ratio", "throughput_tok_s") == "2.13x"
