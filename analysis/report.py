@@ -24,10 +24,11 @@ def _fmt(v, kind: str, metric: str) -> str:
         return "-"
     if isinstance(v, list):
         return ", ".join(_fmt(x, "value", metric) if not isinstance(x, str) else x for x in v)
-    if kind in ("reduction",) or (isinstance(v, float) and abs(v) <= 1.0 and not _has_unit(metric)):
-        return f"{100 * v:.1f}%"
     if kind == "ratio":
         return f"{v:.2f}x"
+    if kind in ("reduction",) or (isinstance(v, float) and abs(v) <= 1.0 and not _has_unit(metric)):
+        p = 100 * v  # three significant digits: a 0.04% degradation must not read 0.0%
+        return f"{p:.1f}%" if abs(p) >= 10 else f"{p:.3g}%"
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 

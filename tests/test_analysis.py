@@ -134,3 +134,5 @@ def test_report_prints_quantities_with_units_as_numbers_and_shares_as_percent():
     assert _fmt(0.286, "value", "remote_ratio") == "28.6%"
     assert _fmt(0.3, "reduction", "mean_ms") == "30.0%"
     assert _fmt(2.13, "ratio", "throughput_tok_s") == "2.13x"
+    assert _fmt(0.857, "ratio", "exec_types.remote_gpu") == "0.86x"  # a ratio's CI bound too
+    assert _fmt(0.000394, "value", "lam_mean") == "0.0394%"  # small shares keep their digits
