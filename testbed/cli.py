@@ -83,7 +83,9 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
           jobs: int = typer.Option(0, help="parallel sim runs (0: one per core, at most 2)"),
           results: Path = typer.Option(Path("results"), help="results root"),
           spec: Path | None = typer.Option(None, help="a figure spec file instead of figN"),
-          quiet: bool = typer.Option(False)) -> None:
+          quiet: bool = typer.Option(False),
+          dry_run: bool = typer.Option(False, help="only print how many runs are left and the estimate")
+          ) -> None:
     """Run every point of a figure's sweep that is not already done."""
     from .sweep import default_jobs, figure_path, load_figure, run_sweep
     if backend not in ("sim", "emu") or scale not in ("smoke", "quick", "full"):
@@ -91,7 +93,9 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
     try:
         f = load_figure(spec or figure_path(fig))
         summary = run_sweep(f, backend, scale, results, jobs or default_jobs(),  # type: ignore[arg-type]
-                            progress=not quiet)
+                            progress=not quiet, dry_run=dry_run)
+        if dry_run:
+            return
     except SpecError as err:
         _fail(str(err))
         return

@@ -179,7 +179,8 @@ def _run_one(p: Point, cache: Path | None = None) -> tuple[str, float]:
 
 
 def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: int = 1,
-              progress: bool = True) -> dict:
+              progress: bool = True, dry_run: bool = False) -> dict:
+    """Run the points not done yet; ``dry_run`` only counts them and estimates the time."""
     points = expand(fig, backend, scale, results)
     todo = [p for p in points if not done(p)]
     est = sum(estimate_s(p) for p in todo) / max(1, jobs if backend == "sim" else 1)
@@ -188,6 +189,8 @@ def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: 
     if progress:
         print(f"fig{fig.figure} [{backend}/{scale}]: {len(points)} runs, {summary['skipped']} "
               f"already done, estimated {_hms(est)} for the rest")
+    if dry_run:
+        return summary | {"wall_s": 0.0, "failed": []}
     cache = results / ".placements"
     bar = tqdm(total=len(todo), unit="run", disable=not progress, desc=f"fig{fig.figure}")
     t0 = time.perf_counter()

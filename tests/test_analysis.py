@@ -81,6 +81,8 @@ def test_sweep_skips_done_points_and_reruns_changed_ones(tmp_path):
         "axes": {"workload.rate_per_s": [5, 10]},
         "scales": {"smoke": {"seeds": [0], "set": {"workload.duration_s": 0.4, "workload.warmup_s": 0.1}}}})
     from testbed.sweep import run_sweep
+    s0 = run_sweep(fig, "sim", "smoke", tmp_path, jobs=1, progress=False, dry_run=True)
+    assert s0["skipped"] == 0 and s0["estimate_s"] > 0 and not (tmp_path / "fig99").exists()
     s1 = run_sweep(fig, "sim", "smoke", tmp_path, jobs=1, progress=False)
     assert s1["skipped"] == 0 and not s1["failed"]
     s2 = run_sweep(fig, "sim", "smoke", tmp_path, jobs=1, progress=False)
