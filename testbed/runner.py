@@ -107,14 +107,18 @@ def _collect_inrun(out_dir: Path, spec: ExperimentSpec) -> dict:
 
 
 def _ce_ref(spec: ExperimentSpec) -> float:
+    """The profile's reference cross-entropy; only without one is the proxy loaded to measure it."""
+    from workloads.proxy.replay import profile_ce, reference_ce
+
+    prof = Path(spec.quality.profile) if spec.quality.profile != "prior" else None
+    ce = profile_ce(prof)
+    if ce is not None:
+        return ce
     from workloads.proxy.data import load_corpus
-    from workloads.proxy.replay import reference_ce
     from workloads.proxy.trace import trace_proxy
 
     corpus = load_corpus()
-    model, _ = trace_proxy(Path(spec.workload.trace), corpus)
-    prof = spec.quality.profile
-    return reference_ce(Path(prof) if prof != "prior" else None, model, corpus)
+    return reference_ce(None, trace_proxy(Path(spec.workload.trace), corpus)[0], corpus)
 
 
 def _run_backend(setup: RunSetup, writer: RecordWriter, progress: bool) -> dict:

@@ -105,12 +105,16 @@ def resolve_inputs(spec: ExperimentSpec, quality_root: Path = QUALITY_ROOT) -> E
         else:
             over[key] = fallback
     if spec.quality.replay == "auto":
-        t = Path(over.get("workload.trace", spec.workload.trace))
-        meta = t.with_name(t.name.removesuffix(".jsonl") + ".meta.json")
-        over["quality.replay"] = t.suffix == ".jsonl" and meta.exists() and "proxy" in meta.read_text()
+        over["quality.replay"] = _is_proxy_trace(Path(over.get("workload.trace", spec.workload.trace)))
     if spec.quality.inrun:
         _check_inrun(spec, Path(over.get("workload.trace", spec.workload.trace)), hint)
     return spec.with_overrides(over) if over else spec
+
+
+def _is_proxy_trace(trace: Path) -> bool:
+    """A JSON-lines trace whose sidecar says a proxy made it (``workloads.proxy.trace``)."""
+    meta = trace.with_name(trace.name.removesuffix(".jsonl") + ".meta.json")
+    return trace.suffix == ".jsonl" and meta.exists() and "proxy" in meta.read_text()
 
 
 def _check_inrun(spec: ExperimentSpec, trace: Path, hint: str) -> None:
@@ -120,8 +124,7 @@ def _check_inrun(spec: ExperimentSpec, trace: Path, hint: str) -> None:
     if spec.backend != "emu":
         raise SpecError("quality.inrun: only emulated workers execute the proxy during a run; "
                         "the simulator measures quality by replay (quality.replay)")
-    meta = trace.with_name(trace.name.removesuffix(".jsonl") + ".meta.json")
-    if trace.suffix != ".jsonl" or not meta.exists() or "proxy" not in meta.read_text():
+    if not _is_proxy_trace(trace):
         raise SpecError(f"quality.inrun: needs workload.trace 'proxy' (a proxy trace), got "
                         f"{str(trace)!r}; {hint}")
     n = spec.workload.prompt_tokens + spec.workload.gen_tokens

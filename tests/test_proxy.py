@@ -28,17 +28,7 @@ from workloads.traces import CALIBRATION_ID_BASE, JsonlTrace
 TINY_PROFILE = ProfileParams(calibration_segments=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus()
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

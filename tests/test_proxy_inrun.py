@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hetroute.system import Precision
-from workloads.proxy.data import load_corpus, segments
+from workloads.proxy.data import segments
 from workloads.proxy.inrun import ProxyStepper
 from workloads.proxy.model import tiny_config
 from workloads.proxy.replay import PlanSet, replay_plans
@@ -24,17 +24,7 @@ from workloads.proxy.train import train
 T = 12  # tokens per request in these tests
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus()
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen", "switch"])

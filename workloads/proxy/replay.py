@@ -239,12 +239,19 @@ def replay_run_dir(run_dir: Path, trace: Path | None = None, profile: Path | Non
     return run_replay(run_dir, model, corpus, trace, quality, reference_ce(prof, model, corpus))[1]
 
 
+def profile_ce(profile: Path | None) -> float | None:
+    """The reference cross-entropy a measured profile records (the unit of q and Lambda)."""
+    if profile is None or profile.suffix != ".npz":
+        return None
+    with np.load(profile) as z:
+        ce = json.loads(str(z["meta"])).get("ce_ref_nats")
+    return None if ce is None else float(ce)
+
+
 def reference_ce(profile: Path | None, model: ProxyMoE, corpus: Corpus) -> float:
     """The unit of q and Lambda: the profile's reference cross-entropy, else measured anew."""
-    if profile is not None and profile.suffix == ".npz":
-        with np.load(profile) as z:
-            ce = json.loads(str(z["meta"])).get("ce_ref_nats")
-        if ce is not None:
-            return float(ce)
+    ce = profile_ce(profile)
+    if ce is not None:
+        return ce
     from .profile import calibration_ce
     return calibration_ce(model, corpus)
