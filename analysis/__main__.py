@@ -23,6 +23,10 @@ def figure(fig: int = typer.Option(...), backend: str = typer.Option("emu"),
     bad = sum(c.get("verdict") in ("disagrees", "differs") for c in claims["claims"])
     typer.echo(f"fig{fig}: {claims['runs']} runs ({claims['missing_runs']} missing); "
                f"{n} claims, {bad} disagree or differ -> {out}/fig{fig}.png, {out}/fig{fig}.claims.json")
+    fid = claims.get("fidelity")
+    if fid:  # emulated runs: say what the network and timing checks found
+        typer.echo(f"fig{fig}: fidelity of {fid['runs']} emulated runs -> {out}/fig{fig}.fidelity.csv; "
+                   + ("problems: " + "; ".join(fid["problems"]) if fid["problems"] else "no problems"))
 
 
 @app.command()

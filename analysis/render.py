@@ -1,4 +1,5 @@
-"""Render one figure from existing results: PNG, PDF and the claims file."""
+"""Render one figure from existing results: PNG, PDF, the claims file and, for
+emulated runs, the fidelity table (analysis/fidelity.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from testbed.sweep import figure_path, load_figure
 
 from .claims import evaluate_all
+from .fidelity import fidelity_table, summarise
 from .load import FigureData, load_figure_data
 
 FIGURES = range(2, 10)
@@ -44,8 +46,16 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path) 
     import matplotlib.pyplot as plt
     plt.close(figure)
     claims = claims_file(data)
+    table = fidelity_table(data)
+    claims["fidelity"] = summarise(table)
     for path in (out / f"fig{fig}.claims.json", by_run / f"fig{fig}-{backend}-{scale}.claims.json"):
         path.write_text(json.dumps(claims, indent=2))
+    current = out / f"fig{fig}.fidelity.csv"
+    if table.empty:  # a simulated figure: no stale table from an earlier emulated one
+        current.unlink(missing_ok=True)
+    else:
+        for path in (current, by_run / f"fig{fig}-{backend}-{scale}.fidelity.csv"):
+            table.to_csv(path, index=False, float_format="%.4g")
     return claims
 
 

@@ -32,6 +32,27 @@ def _fmt(v, kind: str, metric: str) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
+def _fidelity_lines(fig: int, f: dict | None) -> list[str]:
+    """The emulated runs' fidelity, summarised; every problem named (analysis/fidelity.py)."""
+    if not f:
+        return []
+    T = f"T = {f['T_min']:g}" + (f"-{f['T_max']:g}" if f["T_max"] != f["T_min"] else "")
+    rate = "-" if f["rate_err_max_pct"] is None else f"{f['rate_err_max_pct']:.2f}%"
+    lines = [f"Fidelity of the {f['runs']} emulated runs ({T}; one row per run in "
+             f"`fig{fig}.fidelity.csv`): tc rates read back within {rate} of the configured "
+             f"ones, {f['drops']} drops; stream release lateness p99 per run (worst worker) "
+             f"median {f['release_late_p99_emu_ms_median']:.3g} ms, max "
+             f"{f['release_late_p99_emu_ms_max']:.3g} ms of emulated time; frame delivery "
+             f"lateness mean at most {f['delivery_late_mean_emu_ms_max']:.3g} ms; CPU "
+             f"mean at most {f['cpu_mean_pct_max']:.0f}%, highest sample {f['cpu_max_pct']:.0f}%.", ""]
+    if f["problems"]:
+        lines += ["**Fidelity problems:** " + "; ".join(f["problems"]) + ".", ""]
+    else:
+        lines += ["No drops, drain-cap timeouts, killed workers, unrecorded requests, malformed "
+                  "frames or failed kernels in any run.", ""]
+    return lines
+
+
 def build_report(out: Path) -> Path:
     lines = ["# HetRoute testbed: figures and the paper's claims", "",
              "Each figure is regenerated from raw results by `make experiment FIG=N`. "
@@ -65,6 +86,7 @@ def build_report(out: Path) -> Path:
             lines.append(f"| {c['text']} | {_fmt(c['paper'], c['kind'], c['metric'])} | "
                          f"{_fmt(c.get('measured'), c['kind'], c['metric'])} | {ci_s} | {verdict} |")
         lines.append("")
+        lines += _fidelity_lines(fig, data.get("fidelity"))
     lines += ["## Where the testbed disagrees with the paper", ""]
     lines += summary or ["Nothing: every evaluated claim agrees or is close."]
     why = Path(__file__).resolve().parent / "findings.md"

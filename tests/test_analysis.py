@@ -138,3 +138,51 @@ def test_report_prints_quantities_with_units_as_numbers_and_shares_as_percent():
     assert _fmt(2.13, "ratio", "throughput_tok_s") == "2.13x"
     assert _fmt(0.857, "ratio", "exec_types.remote_gpu") == "0.86x"  # a ratio's CI bound too
     assert _fmt(0.000394, "value", "lam_mean") == "0.0394%"  # small shares keep their digits
+
+
+def _fidelity_detail(T: float, *, late_p99_ms: float, drops: int = 0, tc_rate: int = 1_000_000,
+                     timed_out: bool = False, unrecorded: int = 0, cpu_max: float = 60.0) -> dict:
+    return {"dilation": T, "delay_mechanism": "transport", "wall_s": 10.0, "emulated_s": 10.0 / T,
+            "timed_out": timed_out, "killed": [], "cpu_percent_mean": 40.0, "cpu_percent_max": cpu_max,
+            "requests_unrecorded": unrecorded, "fidelity_flags": ["x"],
+            "links": [{"rate_bit": 1_000_000, "tc_rate_bit": tc_rate, "drops": drops},
+                      {"rate_bit": 2_000_000, "tc_rate_bit": 2_000_000, "drops": 0}],
+            "workers": [{"rank": 0, "batches": 10, "late_over_tolerance": 5, "release_late_p99_ms": late_p99_ms,
+                         "release_late_max_ms": 2 * late_p99_ms, "delivery_late_mean_ms": 1.0,
+                         "wire_errors": 0, "kernel_errors": 0},
+                        {"rank": 1, "batches": 10, "late_over_tolerance": 0, "release_late_p99_ms": 0.1,
+                         "release_late_max_ms": 0.2, "delivery_late_mean_ms": 0.5,
+                         "wire_errors": 0, "kernel_errors": 0}]}
+
+
+def test_fidelity_table_converts_lateness_to_emulated_time_and_names_every_problem(tmp_path):
+    from types import SimpleNamespace
+
+    from analysis.fidelity import fidelity_table, run_row, summarise
+    from analysis.load import FigureData
+    from analysis.report import _fidelity_lines
+    runs = []
+    for i, (T, detail) in enumerate([(32, _fidelity_detail(32, late_p99_ms=64.0)),
+                                     (64, _fidelity_detail(64, late_p99_ms=64.0))]):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        (d / "fidelity.json").write_text(json.dumps({"flags": [], "detail": detail}))
+        runs.append({"router.name": "hetroute", "seed": i, "run_dir": str(d)})
+    runs.append({"router.name": "prism", "seed": 0, "run_dir": str(tmp_path / "sim-run")})  # no file
+    data = FigureData(SimpleNamespace(axes={"router.name": []}), "emu", "quick", pd.DataFrame(runs), [], 0)
+    table = fidelity_table(data)
+    assert list(table["release_late_p99_emu_ms"]) == [2.0, 1.0]  # worst worker, wall ms / T
+    assert list(table["late_release_share"]) == [0.25, 0.25]
+    s = summarise(table)
+    assert s["runs"] == 2 and s["problems"] == [] and s["drops"] == 0
+    assert s["release_late_p99_emu_ms_max"] == 2.0 and s["T_min"] == 32 and s["T_max"] == 64
+    assert "No drops" in "\n".join(_fidelity_lines(9, s))
+
+    broken = run_row(_fidelity_detail(64, late_p99_ms=1.0, drops=3, tc_rate=1_100_000, timed_out=True,
+                                      unrecorded=4, cpu_max=99.0))
+    bad = pd.DataFrame([table.iloc[0].to_dict(), {**table.iloc[1].to_dict(), **broken}])
+    problems = summarise(bad)["problems"]
+    assert len(problems) == 4 and any("10.0% off" in p for p in problems)
+    assert any("4 requests unfinished" in p for p in problems) and any("3 packets" in p for p in problems)
+    assert "**Fidelity problems:**" in "\n".join(_fidelity_lines(9, summarise(bad)))
+    assert summarise(fidelity_table(FigureData(data.spec, "sim", "quick", pd.DataFrame(runs[2:]), [], 0))) is None

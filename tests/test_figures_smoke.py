@@ -42,6 +42,8 @@ def test_smoke_experiment_renders_figure_and_claims(fig: int, tmp_path: Path) ->
     spec = yaml.safe_load((ROOT / "analysis" / "specs" / f"fig{fig}.yaml").read_text())
     assert {c["id"] for c in rows} == {c["id"] for c in spec["claims"]}
     assert any(c.get("measured") is not None for c in rows)
+    # the simulator has no network to check: no fidelity table, and none left from an emulated run
+    assert claims["fidelity"] is None and not (tmp_path / "figures" / f"fig{fig}.fidelity.csv").exists()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     m = re.search(r"(\d+) runs \((\d+) skipped\)", again.stdout)
     assert again.returncode == 0 and m and m.group(1) == m.group(2), again.stdout  # nothing rerun
