@@ -97,8 +97,13 @@ def summarise(table: pd.DataFrame) -> dict | None:
         problems.append(f"a tc rate read back {s['rate_err_max_pct']:.1f}% off its configured rate")
     if s["links_unread"]:
         problems.append(f"{s['links_unread']} link classes could not be read back")
+    axes = [c for c in table.columns[:list(table.columns).index("seed")]]
     if s["runs_timed_out"]:
-        problems.append(f"{s['runs_timed_out']} runs reached the drain cap (emu.max_drain_s); "
+        hit = table[table["timed_out"]]
+        where = "; ".join(f"{a} = {', '.join(map(str, sorted(set(hit[a]), key=str)))}"
+                          for a in axes[:1])
+        problems.append(f"{s['runs_timed_out']} runs reached the drain cap (emu.max_drain_s)"
+                        + (f" ({where})" if where else "") + "; "
                         f"{s['requests_unrecorded']} requests unfinished there are recorded as failed")
     for key, what in (("drops", "packets dropped by tc"), ("killed_workers", "workers killed"),
                       ("wire_errors", "malformed frames"), ("kernel_errors", "failed kernels")):

@@ -183,6 +183,6 @@ def test_fidelity_table_converts_lateness_to_emulated_time_and_names_every_probl
     bad = pd.DataFrame([table.iloc[0].to_dict(), {**table.iloc[1].to_dict(), **broken}])
     problems = summarise(bad)["problems"]
     assert len(problems) == 4 and any("10.0% off" in p for p in problems)
-    assert any("4 requests unfinished" in p for p in problems) and any("3 packets" in p for p in problems)
+    assert any("4 requests unfinished" in p and "(router.name = hetroute)" in p for p in problems) and any("3 packets" in p for p in problems)
     assert "**Fidelity problems:**" in "\n".join(_fidelity_lines(9, summarise(bad)))
     assert summarise(fidelity_table(FigureData(data.spec, "sim", "quick", pd.DataFrame(runs[2:]), [], 0))) is None

@@ -67,8 +67,14 @@ def lines(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str = "rou
         return
     if hue in df and df[hue].nunique() > 1:
         order = ordered(df[hue])
+        # a marker per router as well as a colour: lines that coincide (an SLA share of
+        # exactly 0 or 1) stay distinguishable
+        drawn = len(ax.lines)
         sns.lineplot(data=df, x=x, y=metric, hue=hue, hue_order=order, palette=palette(order),
-                     marker="o", errorbar=CI, seed=0, ax=ax)
+                     style=hue, style_order=order, markers=True, dashes=False,
+                     errorbar=CI, seed=0, ax=ax)
+        for i, line in enumerate(ax.lines[drawn:]):  # later levels smaller: coincident ones nest
+            line.set_markersize(max(3.0, 10.0 - 1.5 * i))
         handles, labels = ax.get_legend_handles_labels()
         ax.legend(handles, [LABELS.get(lb, lb) for lb in labels], fontsize=7)
     else:
