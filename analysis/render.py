@@ -34,9 +34,12 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path) 
     data = load_figure_data(spec, backend, scale, results)
     module = importlib.import_module(f"analysis.plots.fig{fig}")
     figure = module.render(data)
+    seeds = sorted(set(int(x) for x in data.runs.seed)) if not data.runs.empty else []
     figure.text(0.99, 0.005, f"{backend}/{scale}: {len(data.runs)} runs"
-                + (f", {data.missing} missing" if data.missing else ""), ha="right", fontsize=6,
-                color="grey")
+                + (f", {data.missing} missing" if data.missing else "")
+                + (", one seed: no confidence intervals" if len(seeds) == 1 else
+                   f", {len(seeds)} seeds: 95% CIs" if seeds else ""),
+                ha="right", fontsize=6, color="grey")
     out.mkdir(parents=True, exist_ok=True)
     by_run = out / "by-run"
     by_run.mkdir(exist_ok=True)
