@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .load import FigureData
+from testbed.emu.tolerances import CPU_SATURATED_PCT, RATE_READBACK_REL
 
-RATE_TOLERANCE = 0.02  # tc's read-back rate within 2% of the configured rate
-CPU_SATURATED = 95.0  # a one-second CPU sample at or above this (as the run's own flag)
+from .load import FigureData
 
 
 def run_row(detail: dict) -> dict:
@@ -86,22 +85,22 @@ def summarise(table: pd.DataFrame) -> dict | None:
         "release_late_p99_emu_ms_max": fmax("release_late_p99_emu_ms"),
         "delivery_late_mean_emu_ms_max": fmax("delivery_late_mean_emu_ms"),
         "cpu_mean_pct_max": fmax("cpu_mean_pct"), "cpu_max_pct": fmax("cpu_max_pct"),
-        "runs_cpu_saturated": int((table["cpu_max_pct"].fillna(0) >= CPU_SATURATED).sum()),
+        "runs_cpu_saturated": int((table["cpu_max_pct"].fillna(0) >= CPU_SATURATED_PCT).sum()),
         "runs_timed_out": int(table["timed_out"].sum()),
         "killed_workers": int(table["killed_workers"].sum()),
         "requests_unrecorded": int(table["requests_unrecorded"].sum()),
         "wire_errors": int(table["wire_errors"].sum()), "kernel_errors": int(table["kernel_errors"].sum()),
     }
     problems = []
-    if s["rate_err_max_pct"] is not None and s["rate_err_max_pct"] > 100 * RATE_TOLERANCE:
+    if s["rate_err_max_pct"] is not None and s["rate_err_max_pct"] > 100 * RATE_READBACK_REL:
         problems.append(f"a tc rate read back {s['rate_err_max_pct']:.1f}% off its configured rate")
     if s["links_unread"]:
         problems.append(f"{s['links_unread']} link classes could not be read back")
-    axes = [c for c in table.columns[:list(table.columns).index("seed")]]
     if s["runs_timed_out"]:
         hit = table[table["timed_out"]]
-        where = "; ".join(f"{a} = {', '.join(map(str, sorted(set(hit[a]), key=str)))}"
-                          for a in axes[:1])
+        first_axis = table.columns[0] if table.columns[0] != "seed" else None  # rows lead with the axes
+        where = (f"{first_axis} = {', '.join(map(str, sorted(set(hit[first_axis]), key=str)))}"
+                 if first_axis else "")
         problems.append(f"{s['runs_timed_out']} runs reached the drain cap (emu.max_drain_s)"
                         + (f" ({where})" if where else "") + "; "
                         f"{s['requests_unrecorded']} requests unfinished there are recorded as failed")
@@ -111,7 +110,7 @@ def summarise(table: pd.DataFrame) -> dict | None:
             problems.append(f"{s[key]} {what}")
     if s["runs_cpu_saturated"]:
         problems.append(f"{s['runs_cpu_saturated']} runs had a one-second CPU sample at or above "
-                        f"{CPU_SATURATED:.0f}% (highest run mean {s['cpu_mean_pct_max']:.0f}%): "
+                        f"{CPU_SATURATED_PCT:.0f}% (highest run mean {s['cpu_mean_pct_max']:.0f}%): "
                         "releases there may run late, which the lateness figures measure")
     s["problems"] = problems
     return s

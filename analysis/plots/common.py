@@ -61,7 +61,9 @@ def router_bars(ax, df: pd.DataFrame, metric: str, title: str, x: str = "router.
     _log_if_spread(ax, df[metric])
 
 
-def lines(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str = "router.name") -> None:
+def lines(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str = "router.name",
+          legend: str | None = "best") -> None:
+    """One line per hue level with CIs over seeds; ``legend`` is its location, None for none."""
     if df.empty or metric not in df:
         _empty(ax, title)
         return
@@ -72,11 +74,13 @@ def lines(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str = "rou
         drawn = len(ax.lines)
         sns.lineplot(data=df, x=x, y=metric, hue=hue, hue_order=order, palette=palette(order),
                      style=hue, style_order=order, markers=True, dashes=False,
-                     errorbar=CI, seed=0, ax=ax)
-        for i, line in enumerate(ax.lines[drawn:]):  # later levels smaller: coincident ones nest
+                     markersize=7, errorbar=CI, seed=0, ax=ax, legend=legend is not None)
+        plotted = [ln for ln in ax.lines[drawn:] if len(ln.get_xdata())]  # not legend proxies
+        for i, line in enumerate(plotted):  # later levels smaller: coincident ones nest
             line.set_markersize(max(3.0, 10.0 - 1.5 * i))
-        handles, labels = ax.get_legend_handles_labels()
-        ax.legend(handles, [LABELS.get(lb, lb) for lb in labels], fontsize=7)
+        if legend is not None:
+            handles, labels = ax.get_legend_handles_labels()
+            ax.legend(handles, [LABELS.get(lb, lb) for lb in labels], fontsize=7, loc=legend)
     else:
         sns.lineplot(data=df, x=x, y=metric, marker="o", errorbar=CI, seed=0, ax=ax)
     ax.set(title=title, xlabel=x.split(".")[-1], ylabel="")

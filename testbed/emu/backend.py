@@ -32,6 +32,7 @@ from .dilation import choose_dilation
 from .hosts import EmulatedNetwork
 from .hosts.names import WORKER_MARK
 from .hosts.readback import tc_classes
+from .tolerances import CPU_SATURATED_PCT, RATE_READBACK_REL, RELEASE_LATE_REL
 
 STORE_PORT = 29400  # torch.distributed TCPStore on rank 0
 BASE_PORT = 47000
@@ -218,15 +219,15 @@ def fidelity_summary(stats: dict) -> dict:
     for row in stats.get("links", []):
         if row["drops"]:
             flags.append(f"drops on {row['intf']}: {row['drops']}")
-        if row["tc_rate_bit"] and abs(row["tc_rate_bit"] / row["rate_bit"] - 1) > 0.02:
+        if row["tc_rate_bit"] and abs(row["tc_rate_bit"] / row["rate_bit"] - 1) > RATE_READBACK_REL:
             flags.append(f"{row['intf']}: tc rate {row['tc_rate_bit']} != configured {row['rate_bit']}")
     for w in stats.get("workers", []):
         if w.get("late_over_tolerance"):
-            flags.append(f"w{w['rank']}: {w['late_over_tolerance']} releases late beyond 5% "
+            flags.append(f"w{w['rank']}: {w['late_over_tolerance']} releases late beyond {RELEASE_LATE_REL:.0%} "
                          f"(p99 {w['release_late_p99_ms']:.2f} ms)")
         if w.get("wire_errors"):
             flags.append(f"w{w['rank']}: {w['wire_errors']} malformed frames")
-    if (stats.get("cpu_percent_max") or 0) >= 95:
+    if (stats.get("cpu_percent_max") or 0) >= CPU_SATURATED_PCT:
         flags.append(f"CPU saturated (max {stats['cpu_percent_max']}%)")
     if stats.get("timed_out"):
         flags.append("drain cap (emu.max_drain_s) reached: unfinished requests recorded as failed")

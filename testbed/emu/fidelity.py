@@ -41,6 +41,7 @@ from .experts import ExpertBank, ExpertSpec
 from .hosts import EmulatedNetwork
 from .hosts.readback import cgroup_quota, tc_classes, tc_qdiscs
 from .stream import Job, ModeledStream
+from .tolerances import CPU_SATURATED_PCT
 from .transport import precise_loop
 from .wire import HEADER_SIZE
 
@@ -210,8 +211,8 @@ def run_fidelity(cluster: Cluster, shape: MoEShape, T: float, mechanism: str = "
             rows.append(Row(kind, cluster.names[n], t * 1e3, m * 1e3, abs(m / t - 1) <= SVC_REL,
                             "ms of stream time for 100 jobs (model time)"))
     info["cpu_percent_max"] = max(cpu) if cpu else None
-    if cpu and max(cpu) >= 95:
-        rows.append(Row("cpu", "host", 95, max(cpu), False, "CPU saturated during a bandwidth window"))
+    if cpu and max(cpu) >= CPU_SATURATED_PCT:
+        rows.append(Row("cpu", "host", CPU_SATURATED_PCT, max(cpu), False, "CPU saturated during a bandwidth window"))
     return rows, info
 
 

@@ -60,6 +60,7 @@ from ..spec import parse_spec
 from .experts import ExpertBank, ExpertSpec, ProxyBank
 from .rendezvous import rendezvous
 from .stream import Job, ModeledStream, service_costs
+from .tolerances import RELEASE_LATE_REL
 from .transport import Transport, precise_loop
 from .wire import (ControlKind, DType, Flag, Frame, Header, MsgType, parse_state, state_frame,
                    tensor_frame)
@@ -668,7 +669,7 @@ class Worker:
                 "release_late_p50_ms": float(np.percentile(late, 50) * 1e3),
                 "release_late_p99_ms": float(np.percentile(late, 99) * 1e3),
                 "release_late_max_ms": float(late.max() * 1e3),
-                "late_over_tolerance": int((late > 0.05 * np.maximum(svc[:, 0] * self.T, 1e-4)).sum()),
+                "late_over_tolerance": int((late > RELEASE_LATE_REL * np.maximum(svc[:, 0] * self.T, 1e-4)).sum()),
                 "service_ratio_p50": float(np.median(rel)), "service_ratio_p99": float(np.percentile(rel, 99)),
                 "wire_errors": self.net.wire_errors, "bytes_sent": self.net.sent_bytes,
                 "delivery_late_mean_ms": self.net.late_deliveries / max(1, self.net.frames_in) * 1e3}

@@ -1,0 +1,8 @@
+"""Where an emulated run stops being what it claims: one definition for the run's own
+flags (backend.fidelity_summary), the worker's lateness count, the fidelity monitor and
+the figure-level fidelity table (analysis/fidelity.py). Imports nothing, so analysis can
+read it without loading the emulator."""
+
+RATE_READBACK_REL = 0.02  # an HTB class's read-back rate within 2% of the configured B/T
+RELEASE_LATE_REL = 0.05  # a stream release later than 5% of its modeled service is late
+CPU_SATURATED_PCT = 95.0  # a one-second host CPU sample at or above this is saturation
