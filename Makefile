@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 FIG ?= 9
 BACKEND ?= emu
 SCALE ?= quick
+PHYSICS ?= hardware
 RESULTS ?= results
 FIGURES ?= figures
 APT_PACKAGES := mininet iperf3 iptables iproute2 libnetfilter-queue1
@@ -43,10 +44,10 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) -m testbed.bench
 
-## experiment: one figure of the paper, e.g. make experiment FIG=9 BACKEND=sim SCALE=smoke
+## experiment: one figure of the paper, e.g. make experiment FIG=9 BACKEND=sim SCALE=smoke PHYSICS=paper
 experiment: $(STAMP)
-	$(PYTHON) -m testbed sweep --fig $(FIG) --backend $(BACKEND) --scale $(SCALE) --results $(RESULTS)
-	$(PYTHON) -m analysis figure --fig $(FIG) --backend $(BACKEND) --scale $(SCALE) --results $(RESULTS) --out $(FIGURES)
+	$(PYTHON) -m testbed sweep --fig $(FIG) --backend $(BACKEND) --scale $(SCALE) --physics $(PHYSICS) --results $(RESULTS)
+	$(PYTHON) -m analysis figure --fig $(FIG) --backend $(BACKEND) --scale $(SCALE) --physics $(PHYSICS) --results $(RESULTS) --out $(FIGURES)
 
 figures: $(STAMP)
 	$(PYTHON) -m analysis figures --results $(RESULTS) --out $(FIGURES)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .render import FIGURES, available, render_figure
+from .render import FIGURES, available, render_figure, stem
 from .report import build_report
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -16,30 +16,39 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 @app.command()
 def figure(fig: int = typer.Option(...), backend: str = typer.Option("emu"),
            scale: str = typer.Option("quick"), results: Path = typer.Option(Path("results")),
-           out: Path = typer.Option(Path("figures"))) -> None:
+           out: Path = typer.Option(Path("figures")),
+           physics: str = typer.Option("hardware", help="hardware (figN.*) or paper (figN-paper.*)")
+           ) -> None:
     """Render figures/figN.png, .pdf and figN.claims.json from one sweep's results."""
-    claims = render_figure(fig, backend, scale, results, out)
+    if physics not in ("hardware", "paper"):
+        typer.echo(f"error: --physics: hardware or paper, got {physics!r}", err=True)
+        raise typer.Exit(2)
+    claims = render_figure(fig, backend, scale, results, out, physics)
+    name = stem(fig, physics)
     n = len(claims["claims"])
     bad = sum(c.get("verdict") in ("disagrees", "differs") for c in claims["claims"])
-    typer.echo(f"fig{fig}: {claims['runs']} runs ({claims['missing_runs']} missing); "
-               f"{n} claims, {bad} disagree or differ -> {out}/fig{fig}.png, {out}/fig{fig}.claims.json")
+    typer.echo(f"fig{fig} ({physics}): {claims['runs']} runs ({claims['missing_runs']} missing); "
+               f"{n} claims, {bad} disagree or differ -> {out}/{name}.png, {out}/{name}.claims.json")
     fid = claims.get("fidelity")
     if fid:  # emulated runs: say what the network and timing checks found
-        typer.echo(f"fig{fig}: fidelity of {fid['runs']} emulated runs -> {out}/fig{fig}.fidelity.csv; "
+        typer.echo(f"fig{fig}: fidelity of {fid['runs']} emulated runs -> {out}/{name}.fidelity.csv; "
                    + ("problems: " + "; ".join(fid["problems"]) if fid["problems"] else "no problems"))
 
 
 @app.command()
 def figures(results: Path = typer.Option(Path("results")),
             out: Path = typer.Option(Path("figures"))) -> None:
-    """Re-render every figure from its most recent sweep."""
+    """Re-render every figure from its most recent sweep, per physics."""
     for fig in FIGURES:
         runs = available(fig, results)
         if not runs:
             typer.echo(f"fig{fig}: no results")
             continue
-        backend, scale, _ = runs[0]
-        figure(fig, backend, scale, results, out)
+        for physics in ("hardware", "paper"):
+            mine = [r for r in runs if r[2] == physics]
+            if mine:
+                backend, scale, _, _ = mine[0]
+                figure(fig, backend, scale, results, out, physics)
 
 
 @app.command()

@@ -23,6 +23,7 @@ class FigureData:
     runs: pd.DataFrame  # one row per complete run
     points: list[Point]
     missing: int  # runs of the sweep that are not (yet) complete
+    physics: str = "hardware"
 
     def requests(self, where: dict | None = None) -> pd.DataFrame:
         """Request records of the matching complete runs, with axis values and seed."""
@@ -61,8 +62,9 @@ def _matches(values: dict, where: dict) -> bool:
     return True
 
 
-def load_figure_data(spec: FigureSpec, backend: str, scale: str, results: Path) -> FigureData:
-    points = expand(spec, backend, scale, results)  # type: ignore[arg-type]
+def load_figure_data(spec: FigureSpec, backend: str, scale: str, results: Path,
+                     physics: str = "hardware") -> FigureData:
+    points = expand(spec, backend, scale, results, physics)  # type: ignore[arg-type]
     rows = []
     missing = 0
     for p in points:
@@ -72,7 +74,7 @@ def load_figure_data(spec: FigureSpec, backend: str, scale: str, results: Path) 
             continue
         m = flatten(json.loads(mfile.read_text()))
         rows.append({**p.values, "seed": p.seed, "run_dir": str(p.out_dir), **m})
-    return FigureData(spec, backend, scale, pd.DataFrame(rows), points, missing)
+    return FigureData(spec, backend, scale, pd.DataFrame(rows), points, missing, physics)
 
 
 def select(df: pd.DataFrame, where: dict) -> pd.DataFrame:

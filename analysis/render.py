@@ -17,25 +17,32 @@ from .load import FigureData, load_figure_data
 FIGURES = range(2, 10)
 
 
-def available(fig: int, results: Path) -> list[tuple[str, str, float]]:
-    """(backend, scale, mtime) of every sweep of this figure that has results."""
+def available(fig: int, results: Path) -> list[tuple[str, str, str, float]]:
+    """(backend, scale, physics, mtime) of every sweep of this figure that has results."""
     root = results / f"fig{fig}"
     out = []
     if root.exists():
         for d in root.iterdir():
             if d.is_dir() and "-" in d.name and (d / "sweep.json").exists():
-                backend, scale = d.name.split("-", 1)
-                out.append((backend, scale, (d / "sweep.json").stat().st_mtime))
-    return sorted(out, key=lambda t: -t[2])
+                backend, rest = d.name.split("-", 1)
+                scale, _, physics = rest.partition("-")
+                out.append((backend, scale, physics or "hardware", (d / "sweep.json").stat().st_mtime))
+    return sorted(out, key=lambda t: -t[3])
 
 
-def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path) -> dict:
+def stem(fig: int, physics: str = "hardware") -> str:
+    """figN for the default physics, figN-paper for the paper's world."""
+    return f"fig{fig}" if physics == "hardware" else f"fig{fig}-{physics}"
+
+
+def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path,
+                  physics: str = "hardware") -> dict:
     spec = load_figure(figure_path(fig))
-    data = load_figure_data(spec, backend, scale, results)
+    data = load_figure_data(spec, backend, scale, results, physics)
     module = importlib.import_module(f"analysis.plots.fig{fig}")
     figure = module.render(data)
     seeds = sorted(set(int(x) for x in data.runs.seed)) if not data.runs.empty else []
-    figure.text(0.99, 0.005, f"{backend}/{scale}: {len(data.runs)} runs"
+    figure.text(0.99, 0.005, f"{backend}/{scale}, physics: {physics}: {len(data.runs)} runs"
                 + (f", {data.missing} missing" if data.missing else "")
                 + (", one seed: no confidence intervals" if len(seeds) == 1 else
                    f", {len(seeds)} seeds: 95% CIs" if seeds else ""),
@@ -43,7 +50,8 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path) 
     out.mkdir(parents=True, exist_ok=True)
     by_run = out / "by-run"
     by_run.mkdir(exist_ok=True)
-    for path in (out / f"fig{fig}", by_run / f"fig{fig}-{backend}-{scale}"):
+    name, tag = stem(fig, physics), f"{backend}-{scale}" + ("" if physics == "hardware" else f"-{physics}")
+    for path in (out / name, by_run / f"fig{fig}-{tag}"):
         figure.savefig(path.with_suffix(".png"), dpi=130)
         figure.savefig(path.with_suffix(".pdf"))
     import matplotlib.pyplot as plt
@@ -51,13 +59,13 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path) 
     claims = claims_file(data)
     table = fidelity_table(data)
     claims["fidelity"] = summarise(table)
-    for path in (out / f"fig{fig}.claims.json", by_run / f"fig{fig}-{backend}-{scale}.claims.json"):
+    for path in (out / f"{name}.claims.json", by_run / f"fig{fig}-{tag}.claims.json"):
         path.write_text(json.dumps(claims, indent=2))
-    current = out / f"fig{fig}.fidelity.csv"
+    current = out / f"{name}.fidelity.csv"
     if table.empty:  # a simulated figure: no stale table from an earlier emulated one
         current.unlink(missing_ok=True)
     else:
-        for path in (current, by_run / f"fig{fig}-{backend}-{scale}.fidelity.csv"):
+        for path in (current, by_run / f"fig{fig}-{tag}.fidelity.csv"):
             table.to_csv(path, index=False, float_format="%.4g")
     return claims
 
@@ -65,7 +73,7 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path) 
 def claims_file(data: FigureData) -> dict:
     return {
         "figure": data.spec.figure, "title": data.spec.title, "backend": data.backend,
-        "scale": data.scale, "runs": int(len(data.runs)), "missing_runs": data.missing,
+        "scale": data.scale, "physics": data.physics, "runs": int(len(data.runs)), "missing_runs": data.missing,
         "seeds": sorted(set(int(s) for s in data.runs.seed)) if not data.runs.empty else [],
         "generated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "claims": evaluate_all(data.spec.claims, data.runs),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from testbed.sweep import figure_path, load_figure
 
-from .render import FIGURES
+from .render import FIGURES, stem
 
 
 def _has_unit(metric: str) -> bool:
@@ -53,42 +53,71 @@ def _fidelity_lines(fig: int, f: dict | None) -> list[str]:
     return lines
 
 
+def _claim_cells(c: dict | None) -> tuple[str, str, str]:
+    if c is None:
+        return "-", "-", "-"
+    ci = c.get("ci95")
+    ci_s = f"{_fmt(ci[0], c['kind'], c['metric'])} .. {_fmt(ci[1], c['kind'], c['metric'])}" if ci else "-"
+    verdict = c.get("verdict", "-")
+    if verdict in ("disagrees", "differs"):
+        verdict = f"**{verdict}**"
+    return _fmt(c.get("measured"), c["kind"], c["metric"]), ci_s, verdict
+
+
 def build_report(out: Path) -> Path:
+    """figures/REPORT.md: each figure under the hardware world and the paper's, side by side."""
     lines = ["# HetRoute testbed: figures and the paper's claims", "",
-             "Each figure is regenerated from raw results by `make experiment FIG=N`. "
-             "Claims list every number the paper states for the figure beside the measured "
-             "counterpart (mean over seeds, 95% CI where there are several seeds). Verdicts: "
-             "for values, *close* within 25%; for reductions and ratios, *agrees* when the "
-             "direction (better or worse) matches the paper, whatever the magnitude; for "
-             "orderings, *agrees* only for the same order.", ""]
-    summary = []
+             "Each figure is regenerated from raw results by `make experiment FIG=N` (the world of "
+             "`physics: hardware`: roofline kernels of real GPU classes, per-layer steps) and "
+             "`make experiment FIG=N PHYSICS=paper` (the paper's own w/F world, as the testbed had "
+             "it before the hardware model). Claims list every number the paper states for the "
+             "figure beside the measured counterpart under each world (mean over seeds, 95% CI "
+             "where there are several seeds). Verdicts: for values, *close* within 25%; for "
+             "reductions and ratios, *agrees* when the direction (better or worse) matches the "
+             "paper, whatever the magnitude; for orderings, *agrees* only for the same order.", ""]
+    summary: dict[str, list[str]] = {"hardware": [], "paper": []}
     for fig in FIGURES:
-        cf = out / f"fig{fig}.claims.json"
         spec = load_figure(figure_path(fig))
         lines += [f"## Fig. {fig}: {spec.title}", ""]
-        if not cf.exists():
+        data = {}
+        for physics in ("hardware", "paper"):
+            cf = out / f"{stem(fig, physics)}.claims.json"
+            if cf.exists():
+                data[physics] = json.loads(cf.read_text())
+        if not data:
             lines += ["No results yet: run `make experiment FIG=%d`." % fig, ""]
             continue
-        data = json.loads(cf.read_text())
-        lines += [f"![fig{fig}](fig{fig}.png)", "",
-                  f"Backend **{data['backend']}**, scale **{data['scale']}**, {data['runs']} runs, "
-                  f"seeds {data['seeds']}" + (f", **{data['missing_runs']} runs missing**"
-                                              if data["missing_runs"] else "") + ".", "",
-                  "| claim | paper | measured | 95% CI | verdict |", "|---|---|---|---|---|"]
-        for c in data["claims"]:
-            ci = c.get("ci95")
-            ci_s = f"{_fmt(ci[0], c['kind'], c['metric'])} .. {_fmt(ci[1], c['kind'], c['metric'])}" if ci else "-"
-            verdict = c.get("verdict", "-")
-            if verdict in ("disagrees", "differs"):
-                verdict = f"**{verdict}**"
-                summary.append(f"- Fig. {fig}, {c['text']}: paper {_fmt(c['paper'], c['kind'], c['metric'])}, "
-                               f"measured {_fmt(c.get('measured'), c['kind'], c['metric'])}.")
-            lines.append(f"| {c['text']} | {_fmt(c['paper'], c['kind'], c['metric'])} | "
-                         f"{_fmt(c.get('measured'), c['kind'], c['metric'])} | {ci_s} | {verdict} |")
+        lines += ["| physics: hardware | physics: paper |", "|---|---|",
+                  "| " + " | ".join(f"![fig{fig} {p}]({stem(fig, p)}.png)" if p in data else
+                                    f"not run (`make experiment FIG={fig}"
+                                    + (" PHYSICS=paper" if p == "paper" else "") + "`)"
+                                    for p in ("hardware", "paper")) + " |", ""]
+        for p, d in data.items():
+            lines.append(f"- {p}: backend **{d['backend']}**, scale **{d['scale']}**, {d['runs']} "
+                         f"runs, seeds {d['seeds']}" + (f", **{d['missing_runs']} runs missing**"
+                                                        if d["missing_runs"] else "") + ".")
+        lines += ["", "| claim | paper | hardware | 95% CI | verdict | paper physics | 95% CI | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        by_id = {p: {c["id"]: c for c in d["claims"]} for p, d in data.items()}
+        first = data.get("hardware") or data["paper"]
+        for c in first["claims"]:
+            row = [c["text"], _fmt(c["paper"], c["kind"], c["metric"])]
+            for p in ("hardware", "paper"):
+                mine = by_id.get(p, {}).get(c["id"])
+                cells = _claim_cells(mine)
+                row += cells
+                if mine is not None and mine.get("verdict") in ("disagrees", "differs"):
+                    summary[p].append(f"- Fig. {fig}, {c['text']}: paper "
+                                      f"{_fmt(c['paper'], c['kind'], c['metric'])}, measured {cells[0]}.")
+            lines.append("| " + " | ".join(row) + " |")
         lines.append("")
-        lines += _fidelity_lines(fig, data.get("fidelity"))
+        for p, d in data.items():
+            if d.get("fidelity"):
+                lines += [f"*{p}:*", ""] + _fidelity_lines(fig, d.get("fidelity"))
     lines += ["## Where the testbed disagrees with the paper", ""]
-    lines += summary or ["Nothing: every evaluated claim agrees or is close."]
+    for p in ("hardware", "paper"):
+        lines += [f"### physics: {p}", ""] + (summary[p] or ["Nothing: every evaluated claim agrees "
+                                                              "or is close."]) + [""]
     why = Path(__file__).resolve().parent / "findings.md"
     if why.exists():  # the reasons, written by people from the measurements, not tuned
         lines += ["", why.read_text().strip()]

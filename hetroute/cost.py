@@ -23,6 +23,7 @@ import numpy as np
 
 from .deployment import Deployment
 from .quality import QualityModel
+from .service import PaperService, ServiceModel
 from .system import Cluster, MoEShape
 
 COMPONENTS = ("tx", "off", "cq", "q")
@@ -53,13 +54,15 @@ class CostModel:
 
     def __init__(self, cluster: Cluster, shape: MoEShape, deployment: Deployment,
                  quality: QualityModel, lambda_q: float = 0.5,
-                 include_propagation: bool = True) -> None:
+                 include_propagation: bool = True, service: ServiceModel | None = None) -> None:
         self.cluster = cluster
         self.shape = shape
         self.deployment = deployment
         self.quality = quality
         self.lambda_q = float(lambda_q)
         self.include_propagation = include_propagation
+        #: whose service times these are: the router's belief (default the paper's w/F)
+        self.belief = svc = service if service is not None else PaperService(cluster, shape)
         N = cluster.n
         d = shape.hidden_bytes
         #: seconds to move one hidden state m -> n (d/B [+ delay]); 0 on the diagonal.
@@ -72,14 +75,13 @@ class CostModel:
         self.rep_gpu = [r.gpu for r in reps]
         self.rep_prec = [int(r.precision) for r in reps]
         #: (1 - y) v / beta_n, seconds.
-        self.rep_load = [0.0 if r.gpu else shape.expert_bytes[r.precision] / cluster.pcie[r.server]
-                         for r in reps]
-        #: w / F_n, seconds.
-        self.rep_comp = [shape.expert_flops / cluster.flops[r.server] for r in reps]
+        self.rep_load = [0.0 if r.gpu else svc.load_s(r.server, r.precision) for r in reps]
+        #: w / F_n (paper belief) or one token's roofline time (hardware belief), seconds.
+        self.rep_comp = [svc.expert_s(r.server, r.precision, 1) for r in reps]
         #: q_{E,n} of the replica when it serves its own expert.
         self.rep_q = [float(quality.q[r.expert, r.precision]) for r in reps]
         #: dense part of a layer at the residing server, seconds.
-        self.dense = [shape.dense_flops / f for f in cluster.flops]
+        self.dense = [svc.dense_s(n, 1) for n in range(N)]
         self._la_static: tuple | None = None
 
     # -- eq. (9) ---------------------------------------------------------------

@@ -99,8 +99,15 @@ class Deployment:
     def total_bytes(self, shape: MoEShape) -> float:
         return float(sum(shape.expert_bytes[r.precision] for r in self.replicas))
 
-    def check(self, shape: MoEShape, budget: MemoryBudget) -> None:
-        """Raise ``ConstraintViolation`` unless (c.1)-(c.4) hold; (c.3) holds by construction."""
+    def check(self, shape: MoEShape, budget: MemoryBudget, cluster: Cluster | None = None) -> None:
+        """Raise ``ConstraintViolation`` unless (c.1)-(c.4) hold; (c.3) holds by construction.
+        With ``cluster``, also that every replica's precision has kernels on its server's GPU."""
+        if cluster is not None:
+            for r in self.replicas:
+                if r.precision.label not in cluster.precisions[r.server]:
+                    raise ConstraintViolation(
+                        f"server {cluster.names[r.server]} ({cluster.gpu_class[r.server]}) has no "
+                        f"{r.precision.label} kernels, but holds a replica of expert {r.expert} in it")
         gpu, cpu = self.usage(shape)
         for n in range(self.n_servers):
             if gpu[n] > budget.gpu[n] * (1 + 1e-9):

@@ -88,7 +88,8 @@ class StateView:
     answering (it is removed from every candidate set).
     """
 
-    __slots__ = ("window", "opened_at", "backlog", "admitted", "alive", "link_up", "faultless")
+    __slots__ = ("window", "opened_at", "backlog", "admitted", "alive", "link_up", "faultless",
+                 "pending")
 
     def __init__(self, n_servers: int) -> None:
         self.window = -1
@@ -98,6 +99,10 @@ class StateView:
         self.alive = [True] * n_servers
         self.link_up: list[list[bool]] | None = None  # None: every link up
         self.faultless = True  # every server alive and every link up (fast path)
+        #: replica -> until when this decider expects a job it admitted there to be queued
+        #: (its admission time plus the backlog it saw): a token sent before then shares
+        #: that step's weight read (the marginal cost of ``cost_model: hardware``)
+        self.pending: dict[int, float] = {}
 
     def refresh(self, window: int, opened_at: float, backlog: list[float],
                 alive: list[bool], link_up: list[list[bool]] | None = None) -> None:
@@ -109,7 +114,11 @@ class StateView:
         self.link_up = link_up
         self.faultless = link_up is None and all(alive)
 
-    def admit(self, server: int, seconds: float) -> None:
+    def admit(self, server: int, seconds: float, replica: int = -1, now: float = 0.0) -> None:
+        if replica >= 0:
+            until = now + self.backlog[server]
+            if until > self.pending.get(replica, -1.0):
+                self.pending[replica] = until
         self.backlog[server] += seconds
         self.admitted[server] += seconds
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Mapping
 
+from .hardware import Device, FfnShape, nearest_class
+
 
 class Precision(IntEnum):
     """Quantization level c of a replica; FP16 is c_max (zero quantization loss)."""
@@ -35,6 +37,12 @@ class Cluster:
 
     ``bandwidth[m][n]`` is B_link^{m,n} in bytes/s and ``delay[m][n]`` the one-way
     propagation-plus-queueing latency in seconds (the diagonal is ignored).
+
+    The hardware of each server beyond the paper's four numbers (``gpu_class``,
+    peak memory bandwidth ``mem_bw``, CUDA-core ``alu_flops`` and the weight
+    formats it has kernels for) is optional: where missing it is taken from
+    the catalogue class nearest in F_n and G_n (``hetroute.hardware``) and
+    ``derived`` says so per server.
     """
 
     names: tuple[str, ...]
@@ -44,6 +52,11 @@ class Cluster:
     cpu_bytes: tuple[float, ...]  # C_n
     bandwidth: tuple[tuple[float, ...], ...]
     delay: tuple[tuple[float, ...], ...]
+    gpu_class: tuple[str, ...] | None = None  # catalogue name, or "custom"
+    mem_bw: tuple[float, ...] | None = None  # peak GPU memory bandwidth, bytes/s
+    alu_flops: tuple[float, ...] | None = None  # peak FP32 CUDA-core FLOP/s (dequantisation)
+    precisions: tuple[tuple[str, ...], ...] | None = None  # weight formats with kernels
+    derived: tuple[str, ...] = ()  # per server: which hardware fields were derived, and from what
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -64,10 +77,52 @@ class Cluster:
                     raise ValueError(f"bandwidth {self.names[m]}->{self.names[k]} must be > 0")
                 if m != k and self.delay[m][k] < 0:
                     raise ValueError(f"delay {self.names[m]}->{self.names[k]} must be >= 0")
+        self._derive_hardware()
+
+    def _derive_hardware(self) -> None:
+        n = len(self.names)
+        cls, bw, alu, prec, notes = [], [], [], [], []
+        for i in range(n):
+            near = nearest_class(self.flops[i] / 1e12, self.gpu_bytes[i] / 1e9)
+            missing = []
+            c = self.gpu_class[i] if self.gpu_class else None
+            b = self.mem_bw[i] if self.mem_bw else None
+            a = self.alu_flops[i] if self.alu_flops else None
+            p = self.precisions[i] if self.precisions else None
+            if b is None:
+                b = near.mem_bw_gb_s * 1e9
+                missing.append("mem_bw")
+            if a is None:
+                a = near.alu_tflops * 1e12
+                missing.append("alu")
+            if p is None:
+                p = near.precisions
+                missing.append("precisions")
+            if c is None:
+                c = "custom"
+            for label, v in (("mem_bw", b), ("alu_flops", a)):
+                if not (v > 0 and math.isfinite(v)):
+                    raise ValueError(f"{label} of {self.names[i]} must be positive and finite")
+            cls.append(c)
+            bw.append(float(b))
+            alu.append(float(a))
+            prec.append(tuple(p))
+            notes.append(f"{', '.join(missing)} from nearest class {near.name}" if missing else "")
+        object.__setattr__(self, "gpu_class", tuple(cls))
+        object.__setattr__(self, "mem_bw", tuple(bw))
+        object.__setattr__(self, "alu_flops", tuple(alu))
+        object.__setattr__(self, "precisions", tuple(prec))
+        if not self.derived:
+            object.__setattr__(self, "derived", tuple(notes))
 
     @property
     def n(self) -> int:
         return len(self.names)
+
+    def device(self, n: int) -> Device:
+        """Server n's achieved rates: datasheet peaks times the global achieved fractions."""
+        return Device.from_peaks(f"{self.names[n]} ({self.gpu_class[n]})", self.flops[n] / 1e12,
+                                 self.mem_bw[n] / 1e9, self.alu_flops[n] / 1e12, self.precisions[n])
 
 
 @dataclass(frozen=True)
@@ -79,6 +134,11 @@ class MoEShape:
     ``dense_flops``/``dense_bytes`` are the per-layer non-expert part (attention,
     router, shared expert), which runs where the token resides and is held by
     every server.
+
+    What the hardware model needs beyond the paper's numbers: the expert's FFN
+    shape (derived from ``expert_flops`` as a gated FFN when not given), the
+    KV-cache bytes one token adds per layer, the attention FLOPs per token per
+    position attended, and the kernels the dense part launches.
     """
 
     name: str
@@ -91,8 +151,15 @@ class MoEShape:
     hidden_bytes: int
     dense_flops: float = 0.0
     dense_bytes: int = 0
+    expert_ffn: FfnShape | None = None
+    kv_bytes_per_token: int = 0
+    attn_flops_per_position: float = 0.0
+    dense_kernels: int = 8
 
     def __post_init__(self) -> None:
+        if self.expert_ffn is None:
+            d_ff = max(1, round(self.expert_flops / 2 / (3 * self.d_model)))
+            object.__setattr__(self, "expert_ffn", FfnShape(self.d_model, d_ff, gated=True))
         if self.n_layers < 1 or self.experts_per_layer < 1:
             raise ValueError("a model needs at least one layer and one expert")
         if not 1 <= self.top_k <= self.experts_per_layer:

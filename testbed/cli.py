@@ -11,11 +11,13 @@ import typer
 
 from hetroute.routers import available
 
+from .hardware_cli import app as hardware_app
 from .metrics import format_table
 from .spec import ExperimentSpec, SpecError, load_spec, parse_override, parse_spec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="HetRoute testbed: run experiments on the simulator or the emulator.")
+app.add_typer(hardware_app, name="hardware")
 
 
 def _load(spec_path: str | None, overrides: list[str]) -> ExperimentSpec:
@@ -84,7 +86,8 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
           results: Path = typer.Option(Path("results"), help="results root"),
           spec: Path | None = typer.Option(None, help="a figure spec file instead of figN"),
           quiet: bool = typer.Option(False),
-          dry_run: bool = typer.Option(False, help="only print how many runs are left and the estimate")
+          dry_run: bool = typer.Option(False, help="only print how many runs are left and the estimate"),
+          physics: str = typer.Option("hardware", help="the world: hardware (default) or paper")
           ) -> None:
     """Run every point of a figure's sweep that is not already done."""
     from .sweep import default_jobs, figure_path, load_figure, run_sweep
@@ -93,7 +96,7 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
     try:
         f = load_figure(spec or figure_path(fig))
         summary = run_sweep(f, backend, scale, results, jobs or default_jobs(),  # type: ignore[arg-type]
-                            progress=not quiet, dry_run=dry_run)
+                            progress=not quiet, dry_run=dry_run, physics=physics)
         if dry_run:
             return
     except SpecError as err:
@@ -161,6 +164,30 @@ def agree(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     typer.echo(format_rows(rows))
     if not all(r.ok_mean and r.ok_p99 for r in rows):
         raise typer.Exit(1)
+
+
+@app.command()
+def capacity(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
+             router: list[str] = typer.Option(..., help="router(s) to search"),
+             set_: list[str] = typer.Option([], "--set", help="override, e.g. physics=paper"),
+             lo: float = typer.Option(1.0, help="lowest load tried (req/s)"),
+             hi: float = typer.Option(320.0, help="highest load tried (req/s)"),
+             rel_tol: float = typer.Option(0.1, help="stop when the bracket is this tight"),
+             results: Path = typer.Option(Path("results"), help="results root")) -> None:
+    """Highest load at which 90% of requests meet the SLA (simulator, cached runs)."""
+    from topologies import TopologyError
+
+    from .capacity import find_capacity
+    try:
+        base = _load(spec, set_)
+        for r in router:
+            c = find_capacity(base, r, results, lo=lo, hi=hi, rel_tol=rel_tol,
+                              log=lambda m: typer.echo(m, err=True))
+            bound = "" if c.bounded else f" (or more: {hi:g} req/s still met it)"
+            typer.echo(f"{r}: capacity {c.capacity_rps:.3g} req/s{bound}"
+                       if c.capacity_rps else f"{r}: capacity 0 ({lo:g} req/s already misses the SLA)")
+    except (SpecError, TopologyError) as err:
+        _fail(str(err))
 
 
 @app.command()

@@ -27,6 +27,7 @@ HEADLINE = (
     ("cpu_offload_ratio", "CPU-offload ratio"),
     ("throughput_tok_s", "throughput (tokens/s)"),
     ("sla_ratio", "SLA satisfaction"),
+    ("latency_trend", "latency of the last third of arrivals over the first"),
 )
 
 
@@ -49,6 +50,7 @@ def compute_metrics(tl: pd.DataFrame, rq: pd.DataFrame, warmup_s: float, duratio
     out["lam_mean"] = float(ok.lam_mean.mean()) if len(ok) else math.nan
     out["lam_max"] = float(ok.lam_max.max()) if len(ok) else math.nan
     out["budget_violations"] = int((ok.lam_max > budget * (1 + 1e-9) + 1e-12).sum())
+    out.update(stability(ok))
     if tl.empty:
         return out
     m = tl[tl.request.isin(win.request)]
@@ -74,16 +76,36 @@ def compute_metrics(tl: pd.DataFrame, rq: pd.DataFrame, warmup_s: float, duratio
     out["compute_ms"] = float(m.compute_s.mean() * 1e3)
     out["fanin_ms"] = float(m.fanin_s.mean() * 1e3)
     out["layer_ms"] = float(m.total_s.mean() * 1e3)
+    if "dense_s" in m:
+        out["dense_ms"] = float(m.dense_s.mean() * 1e3)  # dense part, with its stream queueing
+        out["decision_ms"] = float(m.decision_s.mean() * 1e3)  # routing CPU, with its queueing
     out["view_age_ms"] = float(m.view_age_s.mean() * 1e3)
     out["backlog_err_ms"] = float(m.backlog_err_s.abs().mean() * 1e3)
     return out
+
+
+#: A run is flagged unstable when the requests arriving in the last third of the
+#: measured window wait this many times longer than those of the first third:
+#: its queues grow with the run's length, so its mean says how long it ran.
+UNSTABLE_TREND = 1.5
+
+
+def stability(ok: pd.DataFrame) -> dict:
+    """Latency trend over arrival time: last third of measured arrivals over the first."""
+    if len(ok) < 6:
+        return {"latency_trend": math.nan, "unstable": False}
+    s = ok.sort_values("arrival_s")
+    third = len(s) // 3
+    first, last = s.latency_s.iloc[:third].mean(), s.latency_s.iloc[-third:].mean()
+    trend = float(last / first) if first > 0 else math.nan
+    return {"latency_trend": trend, "unstable": bool(trend > UNSTABLE_TREND)}
 
 
 def format_table(rows: dict[str, dict], keys=HEADLINE) -> str:
     """A plain-text table: one row per run label, the headline metrics as columns."""
     short = {"mean_ms": "mean ms", "p50_ms": "p50 ms", "p99_ms": "P99 ms",
              "gb_per_1k_tokens": "GB/1k tok", "remote_ratio": "remote", "cpu_offload_ratio": "CPU-off",
-             "throughput_tok_s": "tok/s", "sla_ratio": "SLA"}
+             "throughput_tok_s": "tok/s", "sla_ratio": "SLA", "latency_trend": "trend"}
     cols = [k for k, _ in keys]
     head = ["router"] + [short.get(c, c) for c in cols]
     lines = [head]
@@ -97,6 +119,8 @@ def format_table(rows: dict[str, dict], keys=HEADLINE) -> str:
                 cells.append(f"{100 * v:.1f}%")
             elif c == "gb_per_1k_tokens":
                 cells.append(f"{v:.3f}")
+            elif c == "latency_trend":
+                cells.append(f"{v:.2f}" + (" UNSTABLE" if met.get("unstable") else ""))
             else:
                 cells.append(f"{v:.1f}")
         lines.append(cells)

@@ -9,6 +9,7 @@ length k.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ TOKEN_LAYER_SCALARS = (
     ("participants", pa.int8()), ("fanout_s", pa.float64()), ("compute_s", pa.float64()),
     ("fanin_s", pa.float64()), ("total_s", pa.float64()), ("bytes", pa.int64()),
     ("dq", pa.float64()), ("est_delay_s", pa.float64()), ("view_age_s", pa.float64()),
-    ("backlog_err_s", pa.float64()),
+    ("backlog_err_s", pa.float64()), ("dense_s", pa.float64()), ("decision_s", pa.float64()),
 )
 TOKEN_LAYER_LISTS = (
     ("target", pa.int32()), ("exec_expert", pa.int32()), ("replica", pa.int32()),
@@ -37,6 +38,49 @@ REQUEST_COLUMNS = (
     ("tokens", pa.int32()), ("lam_mean", pa.float64()), ("lam_max", pa.float64()),
     ("status", pa.string()), ("reason", pa.string()),
 )
+
+
+@dataclass(slots=True)
+class TokenLayerRecord:
+    """One row of ``token_layers``: the scalars in ``TOKEN_LAYER_SCALARS`` order,
+    then k values per list column (``TOKEN_LAYER_LISTS``)."""
+
+    request: int
+    token: int
+    layer: int
+    t_start: float
+    server: int
+    next_server: int
+    participants: int
+    fanout_s: float
+    compute_s: float
+    fanin_s: float
+    total_s: float
+    bytes: int
+    dq: float
+    est_delay_s: float
+    view_age_s: float
+    backlog_err_s: float
+    dense_s: float
+    decision_s: float
+    # per target (k each)
+    targets: tuple
+    exec_experts: list
+    replicas: tuple
+    exec_servers: list
+    precisions: list
+    gpus: list
+    exec_types: list
+
+    def scalars(self) -> tuple:
+        return (self.request, self.token, self.layer, self.t_start, self.server, self.next_server,
+                self.participants, self.fanout_s, self.compute_s, self.fanin_s, self.total_s,
+                self.bytes, self.dq, self.est_delay_s, self.view_age_s, self.backlog_err_s,
+                self.dense_s, self.decision_s)
+
+    def lists(self) -> tuple:
+        return (self.targets, self.exec_experts, self.replicas, self.exec_servers, self.precisions,
+                self.gpus, self.exec_types)
 
 
 class RecordWriter:
@@ -57,11 +101,10 @@ class RecordWriter:
         self.rows = 0
 
     # hot path ---------------------------------------------------------------
-    def token_layer(self, scalars: tuple, lists: tuple[list, ...]) -> None:
-        """``scalars`` in TOKEN_LAYER_SCALARS order; ``lists`` k values per list column."""
-        for app, v in zip(self._apps, scalars):
+    def token_layer(self, rec: TokenLayerRecord) -> None:
+        for app, v in zip(self._apps, rec.scalars()):
             app(v)
-        for ext, vs in zip(self._exts, lists):
+        for ext, vs in zip(self._exts, rec.lists()):
             ext(vs)
         self.rows += 1
         if self.rows % self.flush_rows == 0:

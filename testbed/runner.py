@@ -138,4 +138,4 @@ def _run_backend(setup: RunSetup, writer: RecordWriter, progress: bool) -> dict:
     st = SimBackend(setup, writer, progress=tick if progress else None).run()
     bar.n = total
     bar.close()
-    return dict(vars(st))
+    return {**vars(st), **setup.notes}

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import ValidationError
 
-from hetroute.deployment import Deployment, MemoryBudget, Replica
+from hetroute.deployment import ConstraintViolation, Deployment, MemoryBudget, Replica
 from hetroute.quality import QualityModel, prior_quality
 from hetroute.routers import Problem, Router, get_router
 from hetroute.system import Cluster, MoEShape, Precision
@@ -28,6 +29,7 @@ from workloads import (JsonlTrace, ModelSpec, Request, RequestShape, SyntheticTr
                        Users, calibration_traffic, default_trace_params, generate_requests,
                        get_model)
 
+from .core import calibrate_decision_s
 from .quality_io import load_profile
 from .spec import ExperimentSpec, GeneratedTopology, SpecError
 
@@ -48,6 +50,8 @@ class RunSetup:
     deployment: Deployment
     placement_s: float = 0.0
     notes: dict = field(default_factory=dict)
+    #: CPU seconds the simulator charges per routing decision (``engine.decision_s``)
+    decision_s: float = 0.0
 
     def request_targets(self, rid: int, n_tokens: int) -> list[tuple[tuple[int, ...], ...]]:
         """Per token, per layer: the gated experts as global ids."""
@@ -195,18 +199,31 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
     t0 = time.perf_counter()
     cached = _cache_file(spec, topo, placement_cache) if placement_cache and cls.cacheable_placement \
         else None
+    timed = None
     if cached is not None and cached.exists():
-        deployment, router.placement_report = _load_placement(cached, shape, cluster.n)
+        deployment, router.placement_report, timed = _load_placement(cached, shape, cluster.n)
         router.placement_report = {**router.placement_report, "cached": True}
     else:
         deployment = router.place()
-        if cached is not None:
-            _save_placement(cached, deployment, router.placement_report)
-    deployment.check(shape, budget)
+    try:
+        deployment.check(shape, budget, cluster)
+    except ConstraintViolation as err:
+        raise SpecError(f"router.name: {spec.router.name} placed an invalid deployment: {err}") from None
     router.bind(deployment)
+    notes: dict = {}
+    decision_s = spec.engine.decision_s
+    if decision_s == "calibrated":
+        # timed once per placement and machine, then reused: a rerun is reproducible
+        if timed is None or timed.get("host") != platform.node():
+            timed = {"host": platform.node(), "decision_s": calibrate_decision_s(router)}
+        decision_s = timed["decision_s"]
+        notes["decision_s_calibrated"] = decision_s
+    if cached is not None and (not cached.exists() or timed is not None):
+        _save_placement(cached, deployment, router.placement_report, timed)
     return RunSetup(spec=spec, topology=topo, cluster=cluster, model=model, shape=shape,
                     quality=quality, users=users, requests=requests, trace=trace, problem=problem,
-                    router=router, deployment=deployment, placement_s=time.perf_counter() - t0)
+                    router=router, deployment=deployment, placement_s=time.perf_counter() - t0,
+                    notes=notes, decision_s=0.0 if decision_s == "measured" else float(decision_s))
 
 
 def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path) -> Path:
@@ -241,19 +258,20 @@ def _code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def _save_placement(path: Path, dep: Deployment, report: dict) -> None:
+def _save_placement(path: Path, dep: Deployment, report: dict, timed: dict | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"replicas": [[r.expert, r.server, int(r.precision), bool(r.gpu)] for r in dep.replicas],
-            "report": report}
+            "report": {k: v for k, v in report.items() if k != "cached"}, "decision": timed}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, default=str))
     os.replace(tmp, path)
 
 
-def _load_placement(path: Path, shape: MoEShape, n_servers: int) -> tuple[Deployment, dict]:
+def _load_placement(path: Path, shape: MoEShape, n_servers: int
+                    ) -> tuple[Deployment, dict, dict | None]:
     data = json.loads(path.read_text())
     reps = tuple(Replica(e, n, Precision(c), g) for e, n, c, g in data["replicas"])
-    return Deployment(reps, shape.n_experts, n_servers), data.get("report", {})
+    return Deployment(reps, shape.n_experts, n_servers), data.get("report", {}), data.get("decision")
 
 
 def _path(p: str, base_dir: Path | None) -> Path:

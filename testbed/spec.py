@@ -90,6 +90,26 @@ class EmuSpec(_Model):
                                "arrival; requests unfinished then are recorded as failed")
 
 
+class EngineSpec(_Model):
+    """How each server's stream batches and what a routing decision costs (testbed/steps.py)."""
+
+    max_batch_tokens: int = Field(2048, ge=1, le=1_000_000, description="distinct tokens per "
+                                  "step at most (vLLM's max_num_batched_tokens)")
+    hold_s: float = Field(0.0, ge=0, le=1.0, description="a step may wait this long after its "
+                          "oldest job for more to batch")
+    decision_s: float | Literal["calibrated", "measured"] = Field(
+        "calibrated", description="CPU seconds charged per routing decision in the simulator: "
+        "'calibrated' (the router's median on calibration tokens, timed at set-up), 'measured' "
+        "(each decision's own CPU time; not bit-reproducible) or fixed seconds. The emulator "
+        "always charges the measured time")
+
+    @model_validator(mode="after")
+    def _decision_bounds(self) -> "EngineSpec":
+        if isinstance(self.decision_s, float) and not 0 <= self.decision_s <= 1.0:
+            raise ValueError("decision_s: must be in [0, 1] seconds")
+        return self
+
+
 class FaultSpec(_Model):
     kind: Literal["kill_worker", "cut_link"]
     at_s: float = Field(ge=0)
@@ -101,6 +121,10 @@ class ExperimentSpec(_Model):
     name: str = "run"
     seed: int = 0
     backend: Literal["sim", "emu"] = "sim"
+    physics: Literal["hardware", "paper"] = Field(
+        "hardware", description="the world's service times: 'hardware' (roofline of each "
+        "server's GPU class, per-layer steps, dense part in the stream) or 'paper' (w/F per "
+        "token, per-replica batches, dense part as a delay: the world before the hardware model)")
     topology: str | GeneratedTopology = "paper10"
     workload: WorkloadSpec = WorkloadSpec()
     quality: QualitySpec = QualitySpec()
@@ -109,6 +133,7 @@ class ExperimentSpec(_Model):
     window_s: float = Field(0.02, gt=0, description="scheduling window Delta t")
     sla_s: float = Field(0.3, gt=0, description="SLA target (Fig. 9: 300 ms)")
     sim: SimSpec = SimSpec()
+    engine: EngineSpec = EngineSpec()
     emu: EmuSpec = EmuSpec()
     faults: list[FaultSpec] = Field(default_factory=list)
 

@@ -3,7 +3,9 @@
 A figure spec (``analysis/specs/figN.yaml``) names a base experiment, the axes
 to sweep (dotted spec keys, cartesian product) and per-scale settings (seeds,
 overrides, axis subsets) and per-backend overrides. Each point-and-seed runs
-into ``results/figN/<backend>-<scale>/<point>/seed<k>/``. A point whose folder
+into ``results/figN/<backend>-<scale>/<point>/seed<k>/`` under the default
+``physics: hardware`` and ``results/figN/<backend>-<scale>-paper/...`` under
+the paper's world (``--physics paper``). A point whose folder
 holds a complete run of the identical resolved spec is skipped, so a killed
 sweep loses nothing finished and a re-run only does what is missing.
 """
@@ -106,13 +108,26 @@ def _slug(values: dict[str, Any]) -> str:
     return s if len(s) <= 120 else hashlib.sha1(s.encode()).hexdigest()[:16]
 
 
-def expand(fig: FigureSpec, backend: str, scale: Scale, results: Path) -> list[Point]:
+PHYSICS = ("hardware", "paper")
+
+
+def sweep_dir(results: Path, figure: int, backend: str, scale: str, physics: str = "hardware") -> Path:
+    """Where one sweep's runs live; the default physics has no suffix."""
+    suffix = "" if physics == "hardware" else f"-{physics}"
+    return results / f"fig{figure}" / f"{backend}-{scale}{suffix}"
+
+
+def expand(fig: FigureSpec, backend: str, scale: Scale, results: Path,
+           physics: str = "hardware") -> list[Point]:
     if scale not in fig.scales:
         raise SpecError(f"figure {fig.figure} has no scale {scale!r}")
     sc = fig.emu_scales[scale] if backend == "emu" and scale in fig.emu_scales else fig.scales[scale]
     axes = {k: sc.axes.get(k, v) for k, v in fig.axes.items()}
+    if physics not in PHYSICS:
+        raise SpecError(f"physics: one of {', '.join(PHYSICS)}, got {physics!r}")
     base = parse_spec(fig.base, f"fig{fig.figure}.base").with_overrides(
-        {"backend": backend, **fig.backends.get(backend, {}), **sc.set})  # type: ignore[dict-item]
+        {"backend": backend, "physics": physics, **fig.backends.get(backend, {}),
+         **sc.set})  # type: ignore[dict-item]
     for r in fig.restrict:
         unknown = sorted((set(r.when) | set(r.only)) - set(axes))
         if unknown:
@@ -127,7 +142,7 @@ def expand(fig: FigureSpec, backend: str, scale: Scale, results: Path) -> list[P
         for seed in sc.seeds:
             spec = resolve_inputs(base.with_overrides({**values, "seed": seed,
                                                        "name": f"fig{fig.figure}-{key}-s{seed}"}))
-            d = results / f"fig{fig.figure}" / f"{backend}-{scale}" / key / f"seed{seed}"
+            d = sweep_dir(results, fig.figure, backend, scale, physics) / key / f"seed{seed}"
             out.append(Point(key, values, seed, spec, d))
     return out
 
@@ -179,15 +194,16 @@ def _run_one(p: Point, cache: Path | None = None) -> tuple[str, float]:
 
 
 def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: int = 1,
-              progress: bool = True, dry_run: bool = False) -> dict:
+              progress: bool = True, dry_run: bool = False, physics: str = "hardware") -> dict:
     """Run the points not done yet; ``dry_run`` only counts them and estimates the time."""
-    points = expand(fig, backend, scale, results)
+    points = expand(fig, backend, scale, results, physics)
     todo = [p for p in points if not done(p)]
     est = sum(estimate_s(p) for p in todo) / max(1, jobs if backend == "sim" else 1)
-    summary = {"figure": fig.figure, "backend": backend, "scale": scale, "points": len(points),
+    summary = {"figure": fig.figure, "backend": backend, "scale": scale, "physics": physics,
+               "points": len(points),
                "skipped": len(points) - len(todo), "estimate_s": round(est)}
     if progress:
-        print(f"fig{fig.figure} [{backend}/{scale}]: {len(points)} runs, {summary['skipped']} "
+        print(f"fig{fig.figure} [{backend}/{scale}/{physics}]: {len(points)} runs, {summary['skipped']} "
               f"already done, estimated {_hms(est)} for the rest")
     if dry_run:
         return summary | {"wall_s": 0.0, "failed": []}
@@ -214,7 +230,7 @@ def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: 
     bar.close()
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     summary["failed"] = failed
-    root = results / f"fig{fig.figure}" / f"{backend}-{scale}"
+    root = sweep_dir(results, fig.figure, backend, scale, physics)
     root.mkdir(parents=True, exist_ok=True)
     (root / "sweep.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -37,7 +37,9 @@ INF = float("inf")
 
 def setup_of(router: str, topology: str = "paper10", model: str = "mixtral-8x7b", params=None,
              **workload):
-    spec = spec_for(router, topology, model, **workload)
+    # decisions cost no time here: these tests compare routing, and two routers'
+    # calibrated decision times would shift their timelines apart
+    spec = spec_for(router, topology, model, **workload).with_overrides({"engine.decision_s": 0.0})
     if params:
         spec = spec.with_overrides({f"router.params.{k}": v for k, v in params.items()})
     return build_setup(spec)

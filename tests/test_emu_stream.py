@@ -1,4 +1,4 @@
-"""The emulated GPU stream: FIFO, coalescing, loads, dilation, lateness, kernels."""
+"""The emulated GPU stream: the shared step rule in wall time, loads, dilation, lateness, kernels."""
 
 from __future__ import annotations
 
@@ -9,27 +9,54 @@ import pytest
 import torch
 
 from hetroute.deployment import Replica
+from hetroute.service import ServiceModel
 from hetroute.system import Precision
 from testbed.emu.experts import ExpertBank, ExpertSpec
-from testbed.emu.stream import Job, ModeledStream
+from testbed.emu.stream import ModeledStream, Work
 from testbed.emu.transport import precise_loop
+from testbed.steps import DENSE, Job, StepScheduler
 
 T = 50.0
-COMP = {0: 2e-4, 1: 2e-4, 2: 2e-4}  # model seconds per job: 10 ms wall at T = 50
-LOAD = {0: 1e-3, 1: 1e-3, 2: 1e-3}
+COMP = 2e-4  # model seconds per job: 10 ms wall at T = 50
+LOAD = 1e-3
 
 
-def _run(jobs_at, resident=lambda r: True, kernel=None, horizon=1.0):
+class Linear(ServiceModel):
+    """The paper's additive costs with round numbers."""
+
+    def __init__(self) -> None:
+        pass
+
+    def expert_s(self, server, precision, tokens=1):
+        return tokens * COMP
+
+    def dense_s(self, server, tokens=1, attn_positions=0, kv_positions=0):
+        return tokens * COMP
+
+    def load_s(self, server, precision):
+        return LOAD
+
+
+def _stream(loop, done, resident=lambda r: True, kernel=None, scope="replica", t0=None):
+    t0 = time.monotonic() if t0 is None else t0
+    sched = StepScheduler(Linear(), 0, lambda r: Precision.FP16, resident, scope=scope)
+    return ModeledStream(loop, T, sched, kernel or (lambda r, x: x), done,
+                         now=lambda: (time.monotonic() - t0) / T, wall=lambda t: t0 + t * T), t0
+
+
+def _job(r, now, i, layer=0, x=None):
+    return Job(layer, r, i, i, 0, now, Work(torch.full((4,), float(i)) if x is None else x, i))
+
+
+def _run(jobs_at, resident=lambda r: True, kernel=None, horizon=1.0, scope="replica"):
     """Submit (delay_s, replica) jobs and return the stream and release log."""
     loop = precise_loop()
     done = []
-    ident = kernel or (lambda r, x: x)
-    s = ModeledStream(loop, T, COMP, LOAD, ident, lambda j: done.append((time.monotonic(), j)),
-                      resident)
     t0 = time.monotonic() + 0.02
+    s, _ = _stream(loop, lambda j: done.append((time.monotonic(), j)), resident, kernel, scope, t0)
 
     def submit(r, i):
-        s.submit(Job(r, time.monotonic(), torch.full((4,), float(i)), owner=i))
+        s.submit(_job(r, s.now(), i))
     for i, (delay, r) in enumerate(jobs_at):
         loop.call_at(t0 + delay, submit, r, i)
     loop.run_until_complete(asyncio.sleep(horizon))
@@ -41,7 +68,7 @@ def test_single_job_is_released_at_its_dilated_service_time():
     s, done = _run([(0.0, 0)], horizon=0.2)
     assert len(done) == 1
     t, _ = done[0]
-    assert t == pytest.approx(COMP[0] * T, abs=3e-3)  # 10 ms, a few ms of host jitter
+    assert t == pytest.approx(COMP * T, abs=3e-3)  # 10 ms, a few ms of host jitter
     assert s.stats.late[0] < 3e-3
 
 
@@ -51,44 +78,45 @@ def test_queued_jobs_of_a_cpu_replica_coalesce_and_pay_one_load():
                    resident=lambda r: r == 1, horizon=0.4)
     assert s.stats.batches == 2 and s.stats.jobs == 4
     t_last = max(t for t, j in done)
-    expected = COMP[1] * T + (LOAD[0] + 3 * COMP[0]) * T  # one load, three computes
+    expected = COMP * T + (LOAD + 3 * COMP) * T  # one load, three computes
     assert t_last == pytest.approx(expected, abs=5e-3)
     assert all(not j.gpu for _, j in done if j.replica == 0)
 
 
 def test_fifo_across_replicas_and_late_arrivals_wait_for_the_next_batch():
     s, done = _run([(0.0, 0), (0.001, 1), (0.002, 2), (0.012, 0)], horizon=0.3)
-    order = [j.owner for _, j in done]
+    order = [j.owner.owner for _, j in done]
     assert order == [0, 1, 2, 3]  # job 3 arrived after replica 0's batch started
     assert s.stats.batches == 4
 
 
-def test_arrival_stamps_out_of_order_lose_nothing():
-    """Regression: a job stamped earlier but queued later must not be dropped."""
+def test_a_layer_step_serves_every_replica_of_the_layer_at_once():
+    # hardware scope: one step for the three replicas queued behind a blocker of layer 1
     loop = precise_loop()
     done = []
-    s = ModeledStream(loop, T, COMP, LOAD, lambda r, x: x, lambda j: done.append(j), lambda r: True)
-    now = time.monotonic()
-    s.free_at = now + 0.05  # busy in the model: jobs queue
-    s.busy = True
-    for i, dt in enumerate([0.0, 0.2, 0.01]):  # the batch at +0.05 s is jobs 0 and 2
-        s.queue.setdefault(0, []).append(Job(0, now + dt, torch.zeros(2), owner=i))
-    s.busy = False
-    s._start()
-    loop.run_until_complete(asyncio.sleep(0.6))
-    assert sorted(j.owner for j in done) == [0, 1, 2]
+    s, t0 = _stream(loop, lambda j: done.append((time.monotonic(), j)), scope="layer")
+    now = s.now()
+    s.submit(Job(1, 9, 99, 99, 0, now, Work(torch.zeros(4), 99)))  # blocker, other layer
+    for i, r in enumerate((0, 1, 2)):
+        s.submit(_job(r, now, i, layer=0))
+    s.submit(Job(0, DENSE, 7, 7, 3, now, Work(None, 7)))
+    loop.run_until_complete(asyncio.sleep(0.4))
+    loop.close()
+    assert s.stats.batches == 2 and s.stats.jobs == 5
+    t_last = max(t for t, _ in done) - t0
+    assert t_last == pytest.approx((COMP + 3 * COMP + COMP) * T, abs=5e-3)
 
 
 def test_backlog_counts_running_queued_and_one_load_per_cold_replica():
     loop = precise_loop()
-    s = ModeledStream(loop, T, COMP, LOAD, lambda r, x: x, lambda j: None, lambda r: r != 2)
-    now = time.monotonic()
-    s.free_at = now + 0.02  # 0.4 ms of model time left on the running batch
-    s.busy = True
-    s.queue[0] = [Job(0, now, torch.zeros(1))]
-    s.queue[2] = [Job(2, now, torch.zeros(1)), Job(2, now, torch.zeros(1))]
-    b = s.backlog(now)
-    assert b == pytest.approx(0.02 / T + COMP[0] + LOAD[2] + 2 * COMP[2], rel=1e-9)
+    s, t0 = _stream(loop, lambda j: None, resident=lambda r: r != 2)
+    sc = s.sched
+    now = s.now()
+    sc.busy, sc.free_at = True, now + 0.0004  # 0.4 ms of model time left on a running step
+    for r in (0, 2, 2):
+        sc.submit(_job(r, now, 0))
+    b = sc.backlog(now)
+    assert b == pytest.approx(0.0004 + COMP + LOAD + 2 * COMP, rel=1e-3)
     loop.close()
 
 
@@ -98,17 +126,17 @@ def test_real_expert_kernels_batched_equal_row_by_row():
     x = torch.randn(3, 16)
     loop = precise_loop()
     done = []
-    s = ModeledStream(loop, T, COMP, LOAD, bank.run, lambda j: done.append(j), lambda r: True)
-    s.free_at = time.monotonic() + 0.01
-    s.busy = True
+    s, _ = _stream(loop, lambda j: done.append(j), kernel=bank.run)
+    s.sched.busy = True  # queue all three before the stream starts
+    now = s.now()
     for i in range(3):
-        s.submit(Job(0, time.monotonic(), x[i].clone(), owner=i))
-    s.busy = False
+        s.submit(_job(0, now, i, x=x[i].clone()))
+    s.sched.busy = False
     s._start()
     loop.run_until_complete(asyncio.sleep(0.2))
     assert s.stats.batches == 1
     for j in done:
-        assert torch.allclose(j.x, bank.run(0, x[j.owner][None])[0], atol=1e-5)
+        assert torch.allclose(j.owner.x, bank.run(0, x[j.owner.owner][None])[0], atol=1e-5)
 
 
 def test_a_failing_kernel_fails_its_jobs_and_the_stream_keeps_serving():
@@ -118,15 +146,15 @@ def test_a_failing_kernel_fails_its_jobs_and_the_stream_keeps_serving():
         return x
     s, done = _run([(0.0, 1), (0.03, 0)], kernel=kernel, horizon=0.3)
     assert s.stats.kernel_errors == 1
-    errs = {j.owner: j.error for _, j in done}
+    errs = {j.owner.owner: j.owner.error for _, j in done}
     assert "boom" in errs[0] and errs[1] == ""
 
 
 def test_late_releases_are_measured_not_hidden():
     loop = precise_loop()
     done = []
-    s = ModeledStream(loop, T, COMP, LOAD, lambda r, x: x, lambda j: done.append(j), lambda r: True)
-    s.submit(Job(0, time.monotonic(), torch.zeros(1)))
+    s, _ = _stream(loop, lambda j: done.append(j))
+    s.submit(_job(0, s.now(), 0))
     time.sleep(0.05)  # the loop is blocked past the 10 ms release
     loop.run_until_complete(asyncio.sleep(0.05))
     assert s.stats.late[0] > 0.03

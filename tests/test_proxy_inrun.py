@@ -165,14 +165,15 @@ def test_reference_follows_the_given_routes(proxy):
 def test_collect_counts_a_request_once_and_tolerates_none(tmp_path):
     import json
 
-    from testbed.records import RecordWriter
+    from testbed.records import RecordWriter, TokenLayerRecord
     from workloads.proxy.inrun import INRUN_DIR, collect
 
     assert collect(tmp_path, 1.0, 0.0)[1] == {"requests": 0}  # e.g. every request failed
     w = RecordWriter(tmp_path, 2)
     for layer in range(2):
-        w.token_layer((0, 0, layer, 0.0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0),
-                      ([1, 2], [1, 3], [0, 1], [0, 0], [0, 2], [True, True], [0, 0]))
+        w.token_layer(TokenLayerRecord(0, 0, layer, 0.0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0,
+                                       0.0, 0.0, 0.0, 0.0, [1, 2], [1, 3], [0, 1], [0, 0], [0, 2],
+                                       [True, True], [0, 0]))
     w.close()
     line = json.dumps({"request": 0, "arrival_s": 1.0, "tokens": 1, "lam_mean": 0.1, "lam_max": 0.1,
                        "kl_tokens": [0.2], "ce_ref_tokens": [2.0], "ce_run_tokens": [2.1]})

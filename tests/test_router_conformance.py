@@ -146,8 +146,7 @@ def check_causal(s: RunSetup, tl: pd.DataFrame) -> None:
     """Perturb one token's gated experts from a middle layer on; every token-layer
     decided before the perturbed one must be decided identically."""
     L, E = s.shape.n_layers, s.shape.experts_per_layer
-    dense = [s.shape.dense_flops / f for f in s.cluster.flops]
-    decided = tl.t_start.to_numpy() + np.array([dense[n] for n in tl.server])
+    decided = (tl.t_start + tl.dense_s).to_numpy()  # when the decision was taken
     pivot = tl[tl.layer == L // 2].iloc[len(tl[tl.layer == L // 2]) // 2]
     req, tok, layer = int(pivot.request), int(pivot.token), int(pivot.layer)
     t0 = decided[pivot.name]
@@ -163,7 +162,7 @@ def check_causal(s: RunSetup, tl: pd.DataFrame) -> None:
         return out
 
     tl2, _ = simulate(s, perturbed)
-    decided2 = tl2.t_start.to_numpy() + np.array([dense[n] for n in tl2.server])
+    decided2 = (tl2.t_start + tl2.dense_s).to_numpy()
     before = tl[decided < t0].sort_values(["request", "token", "layer"])[DECISION_COLUMNS]
     before2 = tl2[decided2 < t0].sort_values(["request", "token", "layer"])[DECISION_COLUMNS]
     assert len(before) > 0

@@ -25,6 +25,7 @@ class Fixed(Router):
     def __init__(self, choice: dict, agg: int | None = None):
         self.choice, self.agg, self.deployment = choice, agg, None
         self.params = None
+        self.problem = None
 
     def place(self):  # pragma: no cover - not used
         raise NotImplementedError
@@ -54,7 +55,9 @@ class FakeSetup:
     requests: list
     targets: dict  # rid -> per token, per layer tuple
     spec: object = field(default_factory=lambda: parse_spec(
-        {"window_s": 0.01, "sim": {"payload_efficiency": 1.0, "header_bytes": 0}}))
+        {"window_s": 0.01, "sim": {"payload_efficiency": 1.0, "header_bytes": 0},
+         "physics": "paper", "engine": {"decision_s": 0.0}}))
+    decision_s: float = 0.0
 
     def request_targets(self, rid, n):
         return self.targets[rid]

@@ -27,8 +27,9 @@ def test_shipped_topologies_load_and_convert():
 
 def test_units_are_converted_to_si():
     cl = load_topology("small3").to_cluster()
-    assert cl.flops[1] == pytest.approx(110e12)
-    assert cl.pcie[1] == pytest.approx(64e9)
+    assert cl.flops[1] == pytest.approx(149.7e12)  # hub: an A40's dense FP16 tensor rate
+    assert cl.mem_bw[1] == pytest.approx(696e9) and cl.gpu_class[1] == "a40"
+    assert cl.pcie[1] == pytest.approx(31.5e9)  # PCIe Gen4 x16, per direction
     assert cl.gpu_bytes[0] == pytest.approx(16e9)
     assert cl.bandwidth[0][1] == pytest.approx(5e9 / 8)  # symmetric entry covers both ways
     assert cl.bandwidth[1][0] == pytest.approx(5e9 / 8)
@@ -67,10 +68,9 @@ def test_generator_is_seeded_and_in_range():
     assert a == b and a != c
     r = Ranges()
     for s in a.servers:
-        assert r.gpu_tflops[0] <= s.gpu_tflops <= r.gpu_tflops[1]
-        assert r.gpu_mem_gb[0] <= s.gpu_mem_gb <= r.gpu_mem_gb[1]
+        assert s.gpu in r.gpu_classes  # a whole datasheet per server
         assert r.cpu_mem_gb[0] <= s.cpu_mem_gb <= r.cpu_mem_gb[1]
-        assert r.pcie_gb_s[0] <= s.pcie_gb_s <= r.pcie_gb_s[1]
+    assert len({s.gpu for s in a.servers}) > 1
     delays = [ln.delay_ms for ln in a.links]
     bws = [ln.bandwidth_gbps for ln in a.links]
     assert min(delays) >= r.delay_ms[0] and max(delays) == pytest.approx(r.delay_ms[1])

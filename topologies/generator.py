@@ -1,6 +1,9 @@
 """Seeded generator for topologies in the ranges of the paper's Section VI-A.
 
-Servers are drawn uniformly within the paper's ranges. Links come from a 2-D
+Servers are real GPU classes drawn uniformly from ``EDGE_CLASSES`` (the
+catalogue classes in or near the paper's ranges, ``hetroute.hardware``), so
+every server's F_n, G_n, beta_n and memory bandwidth come from one datasheet;
+CPU memory is drawn uniformly in its range. Links come from a 2-D
 geographic embedding: one-way delay is a fixed floor (the low end of the
 range) plus a part proportional to distance, scaled so the farthest pair gets
 the high end; a metric plus a constant is still a metric, so delays obey the
@@ -15,17 +18,17 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from hetroute.hardware import EDGE_CLASSES
+
 from .schema import LinkSpec, ServerSpec, TopologySpec
 
 
 @dataclass(frozen=True)
 class Ranges:
-    """The paper's ranges (Section VI-A)."""
+    """The paper's ranges (Section VI-A); servers are drawn as whole GPU classes."""
 
-    gpu_tflops: tuple[float, float] = (18.0, 120.0)
-    gpu_mem_gb: tuple[float, float] = (12.0, 48.0)
+    gpu_classes: tuple[str, ...] = EDGE_CLASSES
     cpu_mem_gb: tuple[float, float] = (96.0, 512.0)
-    pcie_gb_s: tuple[float, float] = (12.0, 64.0)
     bandwidth_gbps: tuple[float, float] = (0.8, 10.0)
     delay_ms: tuple[float, float] = (0.3, 22.0)
 
@@ -40,10 +43,7 @@ def generate(n_servers: int, seed: int, name: str | None = None,
         return rng.uniform(*lo_hi, size=size)
 
     servers = [
-        ServerSpec(name=f"s{i}",
-                   gpu_tflops=round(float(uni(ranges.gpu_tflops)), 1),
-                   pcie_gb_s=round(float(uni(ranges.pcie_gb_s)), 1),
-                   gpu_mem_gb=round(float(uni(ranges.gpu_mem_gb)), 1),
+        ServerSpec(name=f"s{i}", gpu=str(rng.choice(ranges.gpu_classes)),
                    cpu_mem_gb=round(float(uni(ranges.cpu_mem_gb)), 0))
         for i in range(n_servers)
     ]

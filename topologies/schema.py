@@ -3,6 +3,12 @@
 YAML units are the paper's: TFLOPS, GB/s, GB (10^9 bytes), Gbit/s and ms.
 ``TopologySpec.to_cluster`` converts to SI units for ``hetroute``.
 
+A server names a GPU class of the catalogue (``gpu: a40``, see
+``hetroute.hardware.CATALOGUE``) and may override any of its numbers, or
+gives the numbers alone. Fields a server lacks (``mem_bw_gb_s`` in files
+written before the hardware model) are taken from the class nearest in F_n
+and G_n; ``TopologySpec.resolved()`` fills them in and says so per server.
+
 A link entry covers one direction, or both with ``symmetric: true``. Every
 ordered pair of distinct servers must be covered exactly once; a bad file gets
 one line naming the field, e.g. ``paper10.yaml: links[3].delay_ms: must be >= 0``.
@@ -15,6 +21,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hetroute.hardware import CATALOGUE, HardwareError, gpu_class, nearest_class
 from hetroute.system import Cluster
 
 
@@ -35,10 +42,49 @@ def one_line(err: ValidationError, source: str) -> str:
 class ServerSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(min_length=1)
-    gpu_tflops: float = Field(gt=0, description="F_n, GPU compute (TFLOPS)")
-    pcie_gb_s: float = Field(gt=0, description="beta_n, GPU-CPU bandwidth (GB/s)")
-    gpu_mem_gb: float = Field(gt=0, description="G_n, GPU memory (GB)")
+    gpu: str | None = Field(None, description="GPU class of the catalogue (hetroute.hardware)")
+    gpu_tflops: float | None = Field(None, gt=0, le=10_000,
+                                     description="F_n, dense FP16 tensor TFLOPS (default: the class's)")
+    pcie_gb_s: float | None = Field(None, gt=0, le=1_000,
+                                    description="beta_n, GPU-CPU GB/s per direction (default: the class's)")
+    gpu_mem_gb: float | None = Field(None, gt=0, le=10_000, description="G_n, GPU memory GB")
+    mem_bw_gb_s: float | None = Field(None, gt=0, le=100_000, description="peak GPU memory GB/s")
     cpu_mem_gb: float = Field(gt=0, description="C_n, CPU memory (GB)")
+    derived: str | None = Field(None, description="written by resolved(): fields taken from a class")
+
+    @model_validator(mode="after")
+    def _class_or_numbers(self) -> "ServerSpec":
+        if self.gpu is not None:
+            try:
+                gpu_class(self.gpu)
+            except HardwareError as err:
+                raise ValueError(f"gpu: {err}") from None
+            return self
+        for f in ("gpu_tflops", "pcie_gb_s", "gpu_mem_gb"):
+            if getattr(self, f) is None:
+                raise ValueError(f"{f}: required when no gpu class is named")
+        return self
+
+    def resolved(self) -> "ServerSpec":
+        """Every number filled in; ``derived`` names what came from which class."""
+        if self.gpu is not None:
+            g = gpu_class(self.gpu)
+            taken = [f for f in ("gpu_tflops", "pcie_gb_s", "gpu_mem_gb", "mem_bw_gb_s")
+                     if getattr(self, f) is None]
+            note = f"{', '.join(taken)} from class {g.name}" if taken else None
+        else:
+            g = nearest_class(self.gpu_tflops, self.gpu_mem_gb)
+            taken = ["mem_bw_gb_s"] if self.mem_bw_gb_s is None else []
+            note = f"mem_bw_gb_s from nearest class {g.name} (no gpu class named)" if taken else None
+        return self.model_copy(update={
+            "gpu_tflops": self.gpu_tflops or g.fp16_tflops, "pcie_gb_s": self.pcie_gb_s or g.pcie_gb_s,
+            "gpu_mem_gb": self.gpu_mem_gb or g.mem_gb, "mem_bw_gb_s": self.mem_bw_gb_s or g.mem_bw_gb_s,
+            "derived": note})
+
+    def hardware_class(self):
+        """The catalogue class whose ALU rate and weight formats this server has."""
+        return gpu_class(self.gpu) if self.gpu is not None else nearest_class(
+            self.gpu_tflops, self.gpu_mem_gb)
 
 
 class LinkSpec(BaseModel):
@@ -88,7 +134,13 @@ class TopologySpec(BaseModel):
                 return ln
         raise KeyError((src, dst))
 
+    def resolved(self) -> "TopologySpec":
+        """This topology with every server's numbers filled in (written next to results)."""
+        return self.model_copy(update={"servers": [s.resolved() for s in self.servers]})
+
     def to_cluster(self) -> Cluster:
+        servers = [s.resolved() for s in self.servers]
+        classes = [s.hardware_class() for s in self.servers]
         names = tuple(s.name for s in self.servers)
         idx = {n: i for i, n in enumerate(names)}
         N = len(names)
@@ -103,12 +155,17 @@ class TopologySpec(BaseModel):
             bw[i][i] = float("inf")
         return Cluster(
             names=names,
-            flops=tuple(s.gpu_tflops * 1e12 for s in self.servers),
-            pcie=tuple(s.pcie_gb_s * 1e9 for s in self.servers),
-            gpu_bytes=tuple(s.gpu_mem_gb * 1e9 for s in self.servers),
-            cpu_bytes=tuple(s.cpu_mem_gb * 1e9 for s in self.servers),
+            flops=tuple(s.gpu_tflops * 1e12 for s in servers),
+            pcie=tuple(s.pcie_gb_s * 1e9 for s in servers),
+            gpu_bytes=tuple(s.gpu_mem_gb * 1e9 for s in servers),
+            cpu_bytes=tuple(s.cpu_mem_gb * 1e9 for s in servers),
             bandwidth=tuple(tuple(r) for r in bw),
             delay=tuple(tuple(r) for r in dl),
+            gpu_class=tuple(s.gpu or "custom" for s in self.servers),
+            mem_bw=tuple(s.mem_bw_gb_s * 1e9 for s in servers),
+            alu_flops=tuple(g.alu_tflops * 1e12 for g in classes),
+            precisions=tuple(g.precisions for g in classes),
+            derived=tuple(s.derived or "" for s in servers),
         )
 
     def to_yaml(self) -> str:

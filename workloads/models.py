@@ -38,6 +38,7 @@ import types
 from dataclasses import dataclass
 from typing import Mapping
 
+from hetroute.hardware import FfnShape
 from hetroute.system import MoEShape, Precision
 
 FP16_BYTES = 2
@@ -179,6 +180,22 @@ class ModelSpec:
         embed = self.vocab_size * self.d_model * (1 if self.tied_embeddings else 2)
         return self.n_layers * (self.top_k * self.expert_params() + self.dense_params()) + embed
 
+    def kv_bytes_per_token(self) -> int:
+        """FP16 K and V one token adds to the cache per MoE layer (its self-attention blocks)."""
+        return int(round(self.self_attn_per_layer * 2 * self.n_kv_heads * self.head_dim * FP16_BYTES))
+
+    def attn_flops_per_position(self) -> float:
+        """Scores and context per token per attended position: 2 x (QK^T + AV) over all heads."""
+        return 4.0 * self.n_heads * self.head_dim * (self.self_attn_per_layer + self.cross_attn_per_layer)
+
+    def dense_kernels(self) -> int:
+        """Kernels the dense part of one MoE layer launches: per attention block about eight
+        (norm, QKV, rotary, attention, output projection, residual, norm, router), three per
+        dense or shared FFN."""
+        attn = 8 * (self.self_attn_per_layer + self.cross_attn_per_layer)
+        ffn = 3 * (self.dense_ffn_per_layer + (1 if self.shared_expert_d_ff else 0))
+        return int(round(attn + ffn))
+
     def shape(self) -> MoEShape:
         """The cost model's view of this model (``hetroute.system.MoEShape``)."""
         return MoEShape(
@@ -192,6 +209,10 @@ class ModelSpec:
             hidden_bytes=self.hidden_bytes(),
             dense_flops=self.dense_flops(),
             dense_bytes=self.dense_bytes(),
+            expert_ffn=FfnShape(self.d_model, self.expert_d_ff, gated=self.expert_matrices == 3),
+            kv_bytes_per_token=self.kv_bytes_per_token(),
+            attn_flops_per_position=self.attn_flops_per_position(),
+            dense_kernels=self.dense_kernels(),
         )
 
 

@@ -58,6 +58,7 @@ import numpy as np
 from ..cost import CostModel
 from ..deployment import Deployment, MemoryBudget, Replica
 from ..quality import QualityModel
+from ..service import PaperService, ServiceModel
 from ..system import FULL_PRECISION, Cluster, MoEShape, Precision
 from .calibration import CalibrationTraffic, RouteFn, RoutingStats, simulate
 
@@ -156,8 +157,11 @@ class _State:
 
 
 def baseline_deployment(cluster: Cluster, shape: MoEShape, budget: MemoryBudget,
-                        popularity: np.ndarray) -> _State:
-    """Line 1: one FP16 replica of every expert, heat spread by FLOP/s."""
+                        popularity: np.ndarray, service: ServiceModel | None = None) -> _State:
+    """Line 1: one FP16 replica of every expert, heat spread by speed (FLOP/s in the
+    paper's belief: the accumulated popularity times one job's service time)."""
+    svc = service if service is not None else PaperService(cluster, shape)
+    job = [svc.expert_s(n, FULL_PRECISION, 1) for n in range(cluster.n)]
     st = _State(shape, budget, cluster.n)
     heat = [0.0] * cluster.n
     v = st.v(FULL_PRECISION)
@@ -169,7 +173,7 @@ def baseline_deployment(cluster: Cluster, shape: MoEShape, budget: MemoryBudget,
             for n in range(cluster.n):
                 if st.all_used[n] + v > budget.cpu[n]:
                     continue
-                score = (heat[n] + popularity[e] + 1e-9) / cluster.flops[n]
+                score = (heat[n] + popularity[e] + 1e-9) * job[n]
                 if score < best_score:
                     best, best_score = n, score
             if best < 0:
@@ -224,23 +228,24 @@ def _fill(st: _State, flags: list[bool], key: np.ndarray, order: str) -> int:
     return added
 
 
-def _static_costs(cm_trans: np.ndarray, st: _State, cluster: Cluster, shape: MoEShape,
-                  quality: QualityModel, lambda_q: float, gpu: bool, n: int, c: Precision,
-                  e: int) -> np.ndarray:
+def _static_costs(cm_trans: np.ndarray, svc: ServiceModel, quality: QualityModel,
+                  lambda_q: float, gpu: bool, n: int, c: Precision, e: int) -> np.ndarray:
     """Eq. (9) with empty queues from every residing server theta to a replica (e, n, c)."""
-    load = 0.0 if gpu else st.v(c) / cluster.pcie[n]
-    return cm_trans[:, n] + load + shape.expert_flops / cluster.flops[n] \
+    load = 0.0 if gpu else svc.load_s(n, c)
+    return cm_trans[:, n] + load + svc.expert_s(n, c, 1) \
         + lambda_q * float(quality.q[e, c])
 
 
 def algorithm1(cluster: Cluster, shape: MoEShape, quality: QualityModel,
                calib: CalibrationTraffic, budget: MemoryBudget, lam_max: float,
-               make_router: RouterFactory, params: Alg1Params = Alg1Params()
-               ) -> tuple[Deployment, PlacementReport]:
+               make_router: RouterFactory, params: Alg1Params = Alg1Params(),
+               service: ServiceModel | None = None) -> tuple[Deployment, PlacementReport]:
+    """``service`` is the router's belief of service times (default: the paper's w/F)."""
+    svc = service if service is not None else PaperService(cluster, shape)
     N, n_exp = cluster.n, shape.n_experts
     report = PlacementReport()
     pi = calib.popularity(n_exp)  # line 2
-    st = baseline_deployment(cluster, shape, budget, pi)  # line 1
+    st = baseline_deployment(cluster, shape, budget, pi, svc)  # line 1
 
     def run_sim() -> RoutingStats:
         dep = st.deployment()
@@ -249,7 +254,7 @@ def algorithm1(cluster: Cluster, shape: MoEShape, quality: QualityModel,
     def g_of(stats: RoutingStats | None) -> np.ndarray:
         out = np.zeros(len(st.reps))
         for i, r in enumerate(st.reps):
-            saved = st.v(r.precision) / cluster.pcie[r.server]
+            saved = svc.load_s(r.server, r.precision)
             freq = pi[r.expert] if stats is None else stats.replica_uses[i]
             out[i] = freq * saved
         return out
@@ -263,7 +268,7 @@ def algorithm1(cluster: Cluster, shape: MoEShape, quality: QualityModel,
 
     # Stage 2 (lines 8-15)
     if params.replicate:
-        _stage2(st, cluster, shape, quality, run_sim, stats, params, report)
+        _stage2(st, cluster, shape, quality, run_sim, stats, params, report, svc)
 
     # Stage 3 (line 16)
     stats = run_sim() if params.residency == "routing" else None
@@ -271,7 +276,7 @@ def algorithm1(cluster: Cluster, shape: MoEShape, quality: QualityModel,
     fill = g_of(None) if params.fill_gpu else None
     if params.diminishing_returns and params.residency == "routing":
         res_stats = stats if stats is not None else run_sim()
-        _stage3_guarded(st, cluster, shape, quality, g, res_stats, params, report, fill)
+        _stage3_guarded(st, cluster, shape, quality, g, res_stats, params, report, fill, svc)
     else:
         report.stage3_gpu = _promote_stage1(st, g, params.residency_order, fill)
     dep = st.deployment()
@@ -299,7 +304,7 @@ def _trans_matrix(cluster: Cluster, shape: MoEShape) -> np.ndarray:
 
 def _stage2(st: _State, cluster: Cluster, shape: MoEShape, quality: QualityModel,
             run_sim: Callable[[], RoutingStats], stats: RoutingStats, params: Alg1Params,
-            report: PlacementReport) -> None:
+            report: PlacementReport, svc: ServiceModel) -> None:
     """Lines 8-15, as rounds of lazy-greedy insertions between re-simulations."""
     N, n_exp = cluster.n, shape.n_experts
     trans = _trans_matrix(cluster, shape)
@@ -314,7 +319,7 @@ def _stage2(st: _State, cluster: Cluster, shape: MoEShape, quality: QualityModel
         best = np.full((N, 3), np.inf)
         for r in st.reps:
             if r.expert == e:
-                cost = _static_costs(trans, st, cluster, shape, quality, lam, r.gpu, r.server,
+                cost = _static_costs(trans, svc, quality, lam, r.gpu, r.server,
                                      r.precision, e)
                 for b in range(_usable(r.precision)):
                     best[:, b] = np.minimum(best[:, b], cost)
@@ -330,7 +335,7 @@ def _stage2(st: _State, cluster: Cluster, shape: MoEShape, quality: QualityModel
 
         def benefit(e: int, n: int, c: Precision) -> float:
             gpu = st.gpu_fits(n, c)
-            new = _static_costs(trans, st, cluster, shape, quality, lam, gpu, n, c, e)
+            new = _static_costs(trans, svc, quality, lam, gpu, n, c, e)
             u = _usable(c)
             gain = float(np.sum(resid[e, :, :u] * np.maximum(0.0, old[e][:, :u] - new[:, None])))
             return gain - params.memory_price * st.v(c)
@@ -346,6 +351,8 @@ def _stage2(st: _State, cluster: Cluster, shape: MoEShape, quality: QualityModel
                 if (e, n) in st.where:
                     continue
                 for c in params.precisions:
+                    if c.label not in cluster.precisions[n]:
+                        continue  # no kernels for this format on n's GPU class
                     b = benefit(e, n, c)
                     if b > 0:
                         heap.append((-key(b, c), e, n, int(c)))
@@ -386,8 +393,10 @@ def _stage2(st: _State, cluster: Cluster, shape: MoEShape, quality: QualityModel
 
 def _stage3_guarded(st: _State, cluster: Cluster, shape: MoEShape, quality: QualityModel,
                     g: np.ndarray, stats: RoutingStats, params: Alg1Params,
-                    report: PlacementReport, fill: np.ndarray | None = None) -> None:
+                    report: PlacementReport, fill: np.ndarray | None = None,
+                    svc: ServiceModel | None = None) -> None:
     """Line 16: global re-assignment of Y under (c.1) with the diminishing-returns guard."""
+    svc = svc if svc is not None else PaperService(cluster, shape)
     N = cluster.n
     trans = _trans_matrix(cluster, shape)
     lam = params.lambda_q
@@ -401,7 +410,7 @@ def _stage3_guarded(st: _State, cluster: Cluster, shape: MoEShape, quality: Qual
 
     def gpu_cost(i: int) -> np.ndarray:
         r = st.reps[i]
-        return _static_costs(trans, st, cluster, shape, quality, lam, True, r.server,
+        return _static_costs(trans, svc, quality, lam, True, r.server,
                              r.precision, r.expert)
 
     def marginal(i: int) -> float:
@@ -414,7 +423,7 @@ def _stage3_guarded(st: _State, cluster: Cluster, shape: MoEShape, quality: Qual
         for j in by_expert[e]:
             r = st.reps[j]
             cost = gpu_cost(j) if flags[j] else _static_costs(
-                trans, st, cluster, shape, quality, lam, False, r.server, r.precision, e)
+                trans, svc, quality, lam, False, r.server, r.precision, e)
             for b in range(_usable(r.precision)):
                 best[:, b] = np.minimum(best[:, b], cost)
         gain = np.maximum(0.0, best[:, :u] - gpu_cost(i)[:, None])

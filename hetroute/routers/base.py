@@ -23,22 +23,31 @@ from __future__ import annotations
 import abc
 import copy
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..deployment import Deployment, MemoryBudget
 from ..placement.calibration import CalibrationTraffic
 from ..quality import QualityModel
+from ..service import ServiceModel, make_service
 from ..state import Assignment, StateView, TokenView
 from ..system import Cluster, MoEShape
 
 
 class RouterParams(BaseModel):
-    """Base of every router's parameters: validated, immutable, no unknown keys."""
+    """Base of every router's parameters: validated, immutable, no unknown keys.
+
+    ``cost_model`` is the router's *belief* of service times (``hetroute.service``):
+    the paper's w/F model or the hardware roofline. Placement, planners and
+    online costs use it; the world a backend runs is chosen separately
+    (``spec.physics``), so a run can show what a belief costs.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    cost_model: Literal["paper", "hardware"] = Field(
+        "paper", description="belief of service times: 'paper' (w/F, eq. 9) or 'hardware'")
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,8 @@ class Router(abc.ABC):
         elif not isinstance(params, self.Params):
             raise TypeError(f"{self.name} expects {self.Params.__name__}")
         self.params = params
+        #: the router's belief of stream times (not the world's physics)
+        self.service: ServiceModel = make_service(params.cost_model, problem.cluster, problem.shape)
         self.deployment: Deployment | None = None
         self.placement_report: dict = {}
 

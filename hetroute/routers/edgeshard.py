@@ -23,7 +23,9 @@ Choices where the source is silent:
   holds it, else to its CPU budget (then each use pays the GPU-CPU load), else
   the device is skipped for that layer.
 - t_comp of a layer on device j, per token: (dense FLOPs + k w_E) / F_j, plus
-  k v / beta_j when the layer is CPU-resident (k activated experts loaded).
+  k v / beta_j when the layer is CPU-resident (k activated experts loaded), in
+  the router's belief (``cost_model``: the paper's model as written, or the
+  hardware roofline for one token).
   t_comm(k -> j) = d / B_kj plus the link's one-way delay, 0 when k = j.
 - The throughput-optimal DP variant is not implemented (the paper's latency
   comparison uses the latency-optimal one).
@@ -74,8 +76,9 @@ class EdgeShard(Router):
         size = sh.experts_per_layer * v
         comm = [[0.0 if a == b else sh.hidden_bytes / cl.bandwidth[a][b] + cl.delay[a][b]
                  for b in range(N)] for a in range(N)]
-        gpu_t = [(sh.dense_flops + k * sh.expert_flops) / cl.flops[j] for j in range(N)]
-        cpu_t = [gpu_t[j] + k * v / cl.pcie[j] for j in range(N)]
+        svc = self.service  # the router's belief: (dense + k w)/F_j under the paper's model
+        gpu_t = [svc.dense_s(j, 1) + k * svc.expert_s(j, FULL_PRECISION, 1) for j in range(N)]
+        cpu_t = [gpu_t[j] + k * svc.load_s(j, FULL_PRECISION) for j in range(N)]
 
         def put(mem, j):
             """(tier is GPU, memory after placing one layer on j) or None without room."""

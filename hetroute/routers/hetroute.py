@@ -67,7 +67,8 @@ class HetRouteParams(RouterParams):
         return Alg2Params(beam_width=self.beam_width, enum_limit=self.enum_limit,
                           window_s=self.window_s or window_s, local_threshold_s=self.local_threshold_s,
                           set_level=self.set_level, fast_path=self.fast_path,
-                          exchange=self.exchange, lookahead_weight=self.lookahead_weight)
+                          exchange=self.exchange, lookahead_weight=self.lookahead_weight,
+                          marginal=self.cost_model == "hardware")
 
 
 class HetRoute(Router):
@@ -80,13 +81,14 @@ class HetRoute(Router):
     def _engine(self, deployment: Deployment) -> SetLevelRouter:
         pr, p = self.problem, self.params
         cost = CostModel(pr.cluster, pr.shape, deployment, pr.quality, lambda_q=p.lambda_q,
-                         include_propagation=p.include_propagation)
+                         include_propagation=p.include_propagation, service=self.service)
         return SetLevelRouter(cost, p.alg2(pr.window_s), popularity=list(pr.popularity))
 
     def place(self) -> Deployment:
         pr = self.problem
         dep, report = algorithm1(pr.cluster, pr.shape, pr.quality, pr.calibration, pr.budget,
-                                 pr.lam_max, lambda d: self._engine(d).route, self.params.alg1())
+                                 pr.lam_max, lambda d: self._engine(d).route, self.params.alg1(),
+                                 service=self.service)
         self.placement_report = vars(report)
         return dep
 

@@ -35,7 +35,8 @@ Choices where the source is silent or the setting differs:
 - Bytes per block: the E FP16 experts of a layer; the dense part is held by
   every server and the attention cache comes out of the GPU share that
   ``MemoryBudget`` leaves for KV cache, so the cache-room penalty (alloc_delay)
-  never applies. Model: forward_rps = F_n / (dense + k w_E) per block,
+  never applies. Model (in the router's belief, ``cost_model``; shown for the
+  paper's): forward_rps = F_n / (dense + k w_E) per block,
   network_rps = min(mean outgoing, mean incoming bandwidth) / d (a speed test
   to "the internet"), 1 / inference_rps = (dense + k w_E) / F_n per block,
   plus k v / beta_n for a CPU-resident block.
@@ -143,10 +144,11 @@ class Petals(Router):
 
     # -- cost terms ------------------------------------------------------------
     def _block_time(self, n: int, gpu: bool) -> float:
-        """1 / inference_rps: one token through one block on server n."""
-        sh, cl = self.problem.shape, self.problem.cluster
-        t = (sh.dense_flops + sh.top_k * sh.expert_flops) / cl.flops[n]
-        return t if gpu else t + sh.top_k * sh.expert_bytes[FULL_PRECISION] / cl.pcie[n]
+        """1 / inference_rps: one token through one block on server n, in the router's
+        belief (``cost_model``; the paper's (dense + k w)/F_n by default)."""
+        svc, k = self.service, self.problem.shape.top_k
+        t = svc.dense_s(n, 1) + k * svc.expert_s(n, FULL_PRECISION, 1)
+        return t if gpu else t + k * svc.load_s(n, FULL_PRECISION)
 
     def _net(self, m: int, n: int) -> float:
         """rtt/2 between m and n, 0 on one machine."""
@@ -160,7 +162,6 @@ class Petals(Router):
         cl, sh, bud = pr.cluster, pr.shape, pr.budget
         N, L = cl.n, sh.n_layers
         block = sh.experts_per_layer * float(sh.expert_bytes[FULL_PRECISION])
-        per_block = sh.dense_flops + sh.top_k * sh.expert_flops
         gpu: dict[int, tuple[int, int]] = {}
         speed: dict[int, float] = {}
         for n in range(N):  # join in index order
@@ -169,7 +170,7 @@ class Petals(Router):
                 continue
             out = sum(cl.bandwidth[n][m] for m in range(N) if m != n) / max(1, N - 1)
             inc = sum(cl.bandwidth[m][n] for m in range(N) if m != n) / max(1, N - 1)
-            forward = cl.flops[n] / per_block / ((count + 1) / 2)
+            forward = 1.0 / self._block_time(n, True) / ((count + 1) / 2)
             speed[n] = min(forward, min(out, inc) / sh.hidden_bytes) if N > 1 else forward
             start = best_start(swarm_throughput(gpu, speed, L), count)
             gpu[n] = (start, start + count)

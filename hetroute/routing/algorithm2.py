@@ -34,6 +34,9 @@ class Alg2Params:
     fast_path: bool = True
     exchange: bool = True
     lookahead_weight: float = 1.0  # scale of T^next in eq. (11); 0 = pure gather cost
+    #: price a replica the decider has a job queued at (``StateView.pending``) at the
+    #: marginal cost of one more token in that step (``cost_model: hardware``)
+    marginal: bool = False
 
     def __post_init__(self) -> None:
         if self.beam_width < 1 or self.enum_limit < 1:
@@ -65,6 +68,7 @@ class SetLevelRouter:
         other.weights = self.weights
         other._trans, other._lambda, other._cq = self._trans, self._lambda, self._cq
         other._lookahead = self._lookahead
+        other._marg = self._marg
         other._agg_cache = [dict() for _ in range(self.cost.shape.n_layers)]
         other._agg_fns = {}
         return other
@@ -104,6 +108,17 @@ class SetLevelRouter:
         fallback = [tuple(cand(r, 0.0, Mode.FALLBACK, guarded=False)
                           for r in dep.full_precision(e)) for e in range(n_exp)]
         self._exact, self._subs, self._fallback = exact, subs, fallback
+        #: each candidate's twin when its replica already has a queued job: one more token
+        #: costs the marginal batched time and no second load (cost_model: hardware)
+        self._marg: dict[int, Candidate] = {}
+        if self.params.marginal:
+            svc = c.belief
+            for group in (*exact, *subs, *fallback):
+                for x in group:
+                    rep = dep.replicas[x.replica]
+                    m = svc.marginal_s(rep.server, rep.precision, 1)
+                    self._marg[id(x)] = Candidate(x.replica, x.server, x.dq, x.mode, 0.0, m, m,
+                                                  x.guarded)
 
     # -- helpers ---------------------------------------------------------------
     def _aggregator_fn(self, layer: int, home: int):
@@ -144,9 +159,13 @@ class SetLevelRouter:
             return a
         return agg
 
-    def _admissible(self, pool, theta: int, slack: float, view: StateView) -> list[Candidate]:
+    def _admissible(self, pool, theta: int, slack: float, view: StateView,
+                    now: float = 0.0) -> list[Candidate]:
         """Guards (18) and (19) and reachability, candidate by candidate."""
         bl, cap = view.admitted, self.params.window_s
+        if self._marg and view.pending:
+            pend, twin = view.pending, self._marg
+            pool = [twin[id(c)] if pend.get(c.replica, -1.0) > now else c for c in pool]
         slack += 1e-12
         if view.faultless:
             return [c for c in pool if c.dq <= slack and bl[c.server] + c.svc <= cap]
@@ -160,9 +179,9 @@ class SetLevelRouter:
         cands: list[list[Candidate]] = []
         missing = False
         for e in targets:  # lines 5-15: exact first, substitutes only if none admissible
-            cl = self._admissible(self._exact[e], theta, slack, view)
+            cl = self._admissible(self._exact[e], theta, slack, view, tok.now)
             if not cl:
-                cl = self._admissible(self._subs[e], theta, slack, view)
+                cl = self._admissible(self._subs[e], theta, slack, view, tok.now)
             if not cl:
                 missing = True
             cands.append(cl)

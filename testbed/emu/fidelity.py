@@ -35,12 +35,14 @@ import psutil
 import torch
 
 from hetroute.deployment import Replica
+from hetroute.service import make_service
 from hetroute.system import Cluster, MoEShape, Precision
 
+from ..steps import Job, StepScheduler
 from .experts import ExpertBank, ExpertSpec
 from .hosts import EmulatedNetwork
 from .hosts.readback import cgroup_quota, tc_classes, tc_qdiscs
-from .stream import Job, ModeledStream
+from .stream import ModeledStream, Work
 from .tolerances import CPU_SATURATED_PCT
 from .transport import precise_loop
 from .wire import HEADER_SIZE
@@ -129,14 +131,13 @@ def measure_rtts(net: EmulatedNetwork, pairs: list[tuple[int, int]], count: int,
 
 
 def measure_service(cluster: Cluster, shape: MoEShape, server: int, T: float, jobs: int = 100,
-                    d_model: int = 64) -> list[tuple[str, float, float]]:
+                    d_model: int = 64, physics: str = "hardware") -> list[tuple[str, float, float]]:
     """(kind, modeled, realised) model seconds summed over a burst of ``jobs`` through
-    the stream, for a GPU- and a CPU-resident replica with real kernels."""
-    bank = ExpertBank(ExpertSpec(d_model=d_model, d_ff=3 * d_model),
-                      {0: Replica(0, server, Precision.FP16, True),
-                       1: Replica(1, server, Precision.FP16, False)}, device="cpu")
-    comp = {r: shape.expert_flops / cluster.flops[server] for r in (0, 1)}
-    load = {r: shape.expert_bytes[Precision.FP16] / cluster.pcie[server] for r in (0, 1)}
+    the stream (the world's step rule), for a GPU- and a CPU-resident replica with
+    real kernels."""
+    reps = {0: Replica(0, server, Precision.FP16, True), 1: Replica(1, server, Precision.FP16, False)}
+    bank = ExpertBank(ExpertSpec(d_model=d_model, d_ff=3 * d_model), reps, device="cpu")
+    world = make_service(physics, cluster, shape)
     for r in (0, 1):  # warm the kernels up at the sizes the burst uses, as workers do
         for b in (1, jobs - 1, jobs):
             bank.run(r, torch.zeros(b, d_model))
@@ -144,12 +145,15 @@ def measure_service(cluster: Cluster, shape: MoEShape, server: int, T: float, jo
     for r, kind in ((0, "service-gpu"), (1, "service-cpu")):
         loop = precise_loop()
         done: list[float] = []
-        s = ModeledStream(loop, T, comp, load, bank.run, lambda j: done.append(time.monotonic()),
-                          lambda x: x == 0)
+        t0 = time.monotonic()
+        sched = StepScheduler(world, server, lambda x: reps[x].precision, lambda x: x == 0)
+        s = ModeledStream(loop, T, sched, bank.run, lambda j: done.append(time.monotonic()),
+                          now=lambda: (time.monotonic() - t0) / T, wall=lambda t: t0 + t * T)
+
         async def burst() -> None:
-            t0 = time.monotonic()
-            for _ in range(jobs):
-                s.submit(Job(r, t0, torch.zeros(d_model)))
+            now = (time.monotonic() - t0) / T
+            for i in range(jobs):
+                s.submit(Job(0, r, i, i, 0, now, Work(torch.zeros(d_model))))
             while len(done) < jobs:
                 await asyncio.sleep(0.005)
         loop.run_until_complete(asyncio.wait_for(burst(), timeout=60))

@@ -51,15 +51,17 @@ import numpy as np
 import torch
 import yaml
 
-from hetroute.state import ExecType, StateView, TokenView, Unroutable
+from hetroute.state import Assignment, StateView, TokenView, Unroutable
 
+from ..core import Routed, TokenLayerCore
 from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
 from ..setup import build_setup
 from ..spec import parse_spec
+from ..steps import DENSE, Job, StepScheduler
 from .experts import ExpertBank, ExpertSpec, ProxyBank
 from .rendezvous import rendezvous
-from .stream import Job, ModeledStream, service_costs
+from .stream import ModeledStream, Work
 from .tolerances import RELEASE_LATE_REL
 from .transport import Transport, precise_loop
 from .wire import (ControlKind, DType, Flag, Frame, Header, MsgType, parse_state, state_frame,
@@ -162,17 +164,19 @@ class Worker:
             d = cfg.expert_d_model
             self.bank = ExpertBank(ExpertSpec(d_model=d, d_ff=3 * d, activation=act, seed=spec.seed), reps)
             self.d = d
-        cl, sh = s.cluster, s.shape
-        self.comp, self.load = service_costs(cl, sh, self.dep, self.rank)
-        self.dense_s = sh.dense_flops / cl.flops[self.rank]
+        sh = s.shape
+        #: decide/admit/record/feedback, shared with the simulator
+        self.core = TokenLayerCore(s.router, self.dep, s.cluster, sh, spec.physics)
+        self.hardware = spec.physics == "hardware"
+        self.dense_s = self.core.world.dense_s(self.rank, 1)  # physics: paper (a delay)
+        self.cpu_free = 0.0  # model time this server's CPU is free of routing decisions
+        self.decision_cpu = []  # measured CPU seconds per decision (wall, not dilated)
         self.hidden_bytes = sh.hidden_bytes
         self.view = StateView(self.N)
         self.peer_backlog = [0.0] * self.N
         self.last_heard = [0.0] * self.N
         self.reachable = [True] * self.N
         self.writer = RecordWriter(Path(cfg.run_dir), self.k, part_prefix=f"w{self.rank}-")
-        self.exec_table = ExecType.table()
-        self.lambda_q = float(getattr(s.router.params, "lambda_q", 0.0) or 0.0)
         self.realized = dict(tx=0.0, off=0.0, cq=0.0, q=0.0)
         self.parts: dict[tuple, _Participation] = {}
         self.gathers: dict[tuple, _Gather] = {}
@@ -195,8 +199,14 @@ class Worker:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         self.loop = loop
-        self.stream = ModeledStream(loop, self.T, self.comp, self.load, self.bank.run,
-                                    self._job_done, self._resident, self._on_execute, self._log)
+        eng = self.spec.engine
+        prec = [r.precision for r in self.dep.replicas]
+        sched = StepScheduler(self.core.world, self.rank, prec.__getitem__, self._resident,
+                              scope="layer" if self.hardware else "replica",
+                              max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
+                              on_execute=self._on_execute if self.dynamic else None)
+        self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
+                                    self.wall, self._log)
         if self.cfg.rendezvous is not None:  # peers from the store, not from the config
             host, port = self.cfg.rendezvous
             peers, self._store = await loop.run_in_executor(
@@ -240,7 +250,7 @@ class Worker:
         if self.stopping:
             return
         now_wall = time.monotonic()
-        backlog = self.stream.backlog(now_wall)
+        backlog = self.stream.backlog()
         frame = state_frame([backlog] + [0.0] * (self.N - 1), self.reachable, self.rank, window,
                             window * self.window, self.now())
         for peer in range(self.N):
@@ -332,7 +342,17 @@ class Worker:
         t_layer = self.now()
         if self.proxy is not None:  # the layer's attention (and dense block) runs here
             h = self.proxy.attend(int(hdr.request), int(hdr.token), int(hdr.layer), h)
-        self.loop.call_at(self.wall(t_layer + self.dense_s), self._decide, hdr, h, ctx, t_layer, 0)
+        if not self.hardware:  # the paper's world: a per-token delay outside the stream
+            self.loop.call_at(self.wall(t_layer + self.dense_s), self._decide, hdr, h, ctx, t_layer, 0)
+            return
+        rid, index = int(hdr.request), int(hdr.token)
+        self.stream.submit(Job(int(hdr.layer), DENSE, (rid, index), rid, index, t_layer,
+                               Work(owner=(hdr, h, ctx, t_layer)), self._prio(rid)))
+
+    def _prio(self, rid: int) -> float:
+        """The request's arrival: older requests first in every step (steps.py)."""
+        rq = self.setup.requests[rid] if 0 <= rid < len(self.setup.requests) else None
+        return rq.arrival_s if rq is not None else 0.0
 
     def _decide(self, hdr: Header, h: torch.Tensor, rctx: tuple, t_layer: float, retries: int) -> None:
         if self.stopping:
@@ -346,33 +366,44 @@ class Worker:
         tv.ctx = tuple(rctx) if rctx else None
         view = self.view
         try:
-            a = self.decider.route(tv, targets, view)
+            routed = self.core.decide(self.decider, view, tv, targets, self._true_backlog)
         except Unroutable as err:
             self._token_failed(hdr, str(err))
             return
+        # the decision's measured CPU time is emulated time, not divided by T: the
+        # dispatch waits for it, behind earlier decisions of this server's CPU
+        self.decision_cpu.append(routed.decision_s)
+        start = self.cpu_free if self.cpu_free > t_dec else t_dec
+        self.cpu_free = t_disp = start + routed.decision_s
+        if self.wall(t_disp) > time.monotonic():
+            self.loop.call_at(self.wall(t_disp), self._dispatch, hdr, h, rctx, t_layer, retries,
+                              tv, routed, t_dec, t_disp)
+        else:
+            self._dispatch(hdr, h, rctx, t_layer, retries, tv, routed, t_dec, t_disp)
+
+    def _true_backlog(self, n: int) -> float:
+        return self.stream.backlog() if n == self.rank else self.peer_backlog[n]
+
+    def _dispatch(self, hdr: Header, h: torch.Tensor, rctx: tuple, t_layer: float, retries: int,
+                  tv: TokenView, routed: Routed, t_dec: float, t_disp: float) -> None:
+        if self.stopping:
+            return
+        a = routed.assignment
         if a.prefetch:
             self._prefetch(a.prefetch)
-        servers = [self.dep.replicas[r].server for r in a.replicas]
-        participants = sorted(set(servers))
-        err = 0.0
-        for n in participants:
-            true = self.stream.backlog(time.monotonic()) if n == self.rank else self.peer_backlog[n]
-            d = view.backlog[n] - true
-            if abs(d) > abs(err):
-                err = d
-        for r, n in zip(a.replicas, servers):
-            gpu = self.dep.replicas[r].gpu if not self.dynamic or n != self.rank else self._resident(r)
-            view.admit(n, self._comp_of(r) + (0.0 if gpu else self._load_of(r)))
+        participants = sorted(routed.per_server)
         new_ctx = tuple(tv.ctx) if tv.ctx else ()
-        ctx = [len(targets)]
+        ctx = [len(a.targets)]
         for e, r, m in zip(a.targets, a.replicas, a.modes):
             ctx += [int(e), int(r), int(m)]
-        ctx += [int(round((t_dec - view.opened_at) * 1e6)), int(round(err * 1e6)), len(new_ctx)]
+        ctx += [int(round(routed.view_age_s * 1e6)), int(round(routed.backlog_err_s * 1e6)),
+                int(round((t_disp - t_dec) * 1e6)), len(new_ctx)]
         ctx += list(new_ctx)
+        rid, index, layer = tv.request, tv.index, tv.layer
         out = Header(MsgType.HIDDEN, request=rid, seq=int(hdr.seq) + 1 + retries, token=index,
                      layer=layer, src=self.rank, home=int(hdr.home), residing=self.rank,
                      aggregator=int(a.next_server), n_parts=len(participants), gate=float(a.dq),
-                     lam_acc=float(hdr.lam_acc), t_origin=t_layer, t_send=t_dec,
+                     lam_acc=float(hdr.lam_acc), t_origin=t_layer, t_send=t_disp,
                      mode=min(retries, 255), ctx=tuple(ctx), dtype=DType.FLOAT32, shape=(self.d,))
         frame = self._hidden_frame(out, h)
         # the aggregator needs the header even where it runs none of the targets
@@ -389,26 +420,23 @@ class Worker:
                     self._token_failed(hdr, f"cannot reach server {n}")
                 return
 
-    def _comp_of(self, r: int) -> float:
-        rep = self.dep.replicas[r]
-        return self.setup.shape.expert_flops / self.setup.cluster.flops[rep.server]
-
     def _load_of(self, r: int) -> float:
         rep = self.dep.replicas[r]
-        return self.setup.shape.expert_bytes[rep.precision] / self.setup.cluster.pcie[rep.server]
+        return self.core.world.load_s(rep.server, rep.precision)
 
     def _n_tokens(self, rid: int, hdr: Header) -> int:
         rq = self.setup.requests[rid] if rid < len(self.setup.requests) else None
         return rq.prompt_tokens + rq.gen_tokens if rq is not None else int(hdr.token) + 1
 
     @staticmethod
-    def _assignment(h: Header) -> tuple[list[tuple[int, int, int]], int, int, tuple]:
+    def _assignment(h: Header) -> tuple[list[tuple[int, int, int]], tuple[int, int, int], tuple]:
+        """(target, replica, mode) per target; (view age, backlog error, decision) in us; router ctx."""
         c = h.ctx
         k = c[0]
         triples = [(c[1 + 3 * j], c[2 + 3 * j], c[3 + 3 * j]) for j in range(k)]
         base = 1 + 3 * k
-        view_age_us, err_us, n_r = c[base], c[base + 1], c[base + 2]
-        return triples, view_age_us, err_us, tuple(c[base + 3:base + 3 + n_r])
+        n_r = c[base + 3]
+        return triples, (c[base], c[base + 1], c[base + 2]), tuple(c[base + 4:base + 4 + n_r])
 
     def _participants(self, h: Header) -> set[int]:
         return {self.dep.replicas[r].server for _, r, _ in self._assignment(h)[0]}
@@ -445,7 +473,7 @@ class Worker:
             g = self._gather(key)
             g.header, g.hidden, g.opened = h, x, float(h.t_send)
             self._maybe_complete(g)
-        triples, _, _, _ = self._assignment(h)
+        triples, _, _ = self._assignment(h)
         mine = [(j, e, r) for j, (e, r, _) in enumerate(triples)
                 if self.dep.replicas[r].server == self.rank]
         if not mine:
@@ -457,15 +485,23 @@ class Worker:
         else:
             _, weights = self._routing(int(h.request), self._n_tokens(int(h.request), h))
             w = weights[int(h.token), int(h.layer)]
-        p = _Participation(key, h, len(mine), torch.zeros(self.d), (arrival - self.t0) / self.T)
+        t_arr = (arrival - self.t0) / self.T
+        p = _Participation(key, h, len(mine), torch.zeros(self.d), t_arr)
         self.parts[key] = p
+        rid, index, prio = int(h.request), int(h.token), self._prio(int(h.request))
         for j, _, r in mine:
-            self.stream.submit(Job(r, arrival, x, p, float(w[j]), j))
+            self.stream.submit(Job(int(h.layer), r, (rid, index), rid, index, t_arr,
+                                   Work(x, p, float(w[j]), j), prio))
 
     def _job_done(self, job: Job) -> None:
-        p = job.owner
-        p.gpus[job.position] = job.gpu
-        p.partial += job.gate * job.x  # job.x holds the expert output by now
+        work: Work = job.owner
+        if job.replica == DENSE:  # the dense part ran: route the layer
+            hdr, h, ctx, t_layer = work.owner
+            self._decide(hdr, h, ctx, t_layer, 0)
+            return
+        p = work.owner
+        p.gpus[work.position] = job.gpu
+        p.partial += work.gate * work.x  # the expert output by now
         p.jobs_left -= 1
         if p.jobs_left:
             return
@@ -511,7 +547,7 @@ class Worker:
         for old in [k for k in self.gathers if k[:3] == (rid, tok, layer) and k[3] < seq]:
             del self.gathers[old]  # an abandoned attempt of this layer
         t = self.now()
-        triples, view_age_us, err_us, rctx = self._assignment(h)
+        triples, stamps, rctx = self._assignment(h)
         if self.proxy is not None:
             routed = torch.zeros_like(g.hidden)
             for part in g.partials.values():
@@ -531,32 +567,23 @@ class Worker:
                     gpus[j] = bool(mask >> j & 1)
         fo_end = max(p[1] for p in g.partials.values())
         comp_end = max(p[2] for p in g.partials.values())
-        t_dec = float(h.t_send)
+        t_disp = float(h.t_send)
         remote_parts = [n for n in g.partials if n != theta]
         n_bytes = self.hidden_bytes * (len(remote_parts) + sum(1 for n in g.partials if n != self.rank))
         last = int(h.layer) == self.L - 1
         if last and int(h.home) != self.rank:
             n_bytes += self.hidden_bytes
-        reps = [r for _, r, _ in triples]
-        servers = [self.dep.replicas[r].server for r in reps]
-        et = self.exec_table
-        types = [et[m][srv == theta][gg] for (_, _, m), srv, gg in zip(triples, servers, gpus)]
-        fanout = fo_end - t_dec
-        compute = max(0.0, comp_end - fo_end)
-        fanin = max(0.0, t - max(comp_end, fo_end))
-        t_layer = float(h.t_origin)
-        self.writer.token_layer(
-            (int(h.request), int(h.token), int(h.layer), t_layer, theta, self.rank, len(g.partials),
-             fanout, compute, fanin, t - t_layer, n_bytes, float(h.gate), math.nan,
-             view_age_us * 1e-6, err_us * 1e-6),
-            ([e for e, _, _ in triples], [self.dep.replicas[r].expert for r in reps], reps, servers,
-             [int(self.dep.replicas[r].precision) for r in reps], gpus, types))
+        view_age_us, err_us, decision_us = stamps
+        a = Assignment(tuple(e for e, _, _ in triples), tuple(r for _, r, _ in triples),
+                       tuple(m for _, _, m in triples), self.rank, dq=float(h.gate))
+        routed = Routed(a, {}, decision_us * 1e-6, view_age_us * 1e-6, err_us * 1e-6)
+        tv = TokenView(int(h.request), int(h.token), int(h.home), 0.0, server=theta,
+                       layer=int(h.layer))
+        rec = self.core.record(tv, routed, gpus, float(h.t_origin), t_disp - decision_us * 1e-6,
+                               t_disp, fo_end, comp_end, t, n_bytes, len(g.partials))
+        self.writer.token_layer(rec)
         self.stats["token_layers"] += 1
-        off = max((self._load_of(r) for r, gg in zip(reps, gpus) if not gg), default=0.0)
-        self.realized["tx"] += fanout + fanin
-        self.realized["off"] += off
-        self.realized["cq"] += max(0.0, compute - off)
-        self.realized["q"] += self.lambda_q * float(h.gate)
+        self.core.realize(rec, self.realized)
         lam = float(h.lam_acc) + float(h.gate)
         nxt = Header(MsgType.TOKEN, request=h.request, seq=h.seq, token=h.token, layer=int(h.layer) + 1,
                      home=h.home, residing=self.rank, src=self.rank, lam_acc=lam, t_origin=t,
@@ -583,7 +610,7 @@ class Worker:
         base = Header(MsgType.TOKEN, request=h.request, seq=h.seq, token=h.token, layer=h.layer,
                       home=h.home, residing=self.rank, src=self.rank, lam_acc=h.lam_acc,
                       t_origin=h.t_origin)
-        _, _, _, rctx = self._assignment(h)
+        _, _, rctx = self._assignment(h)
         self._decide(base, g.hidden, rctx, float(h.t_origin), int(h.mode) + 1)
 
     # -- tokens back home ---------------------------------------------------------------

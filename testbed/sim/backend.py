@@ -5,17 +5,19 @@ Resources (as in SimPy's link-as-resource style, but without per-event cost):
   occupies it for size / (bandwidth * payload efficiency), and arrives one
   propagation delay later. Sends happen in event-time order, so the FIFO can
   be computed in closed form from the link's next-free time;
-- each server has one FIFO GPU stream. When free it takes the oldest job and
-  coalesces every queued job for the same replica into one batch, which pays
-  the GPU-CPU load v/beta once (if the replica is CPU-resident) plus w/F per
-  job. The emulated worker's stream has the same rule.
+- each server has one GPU stream run by the step scheduler
+  (``testbed/steps.py``, the same rule the emulated workers follow);
+- each server has one CPU that makes routing decisions one at a time; a
+  decision costs the engine's ``decision_s`` (``testbed/core.py``).
 
-Per token-layer: the dense part runs at the residing server (a delay of
-dense_flops / F); the decider there routes on its ``StateView``; the hidden
-state fans out; jobs queue at the participants; each participant sends its
-partial output to the aggregation server once all of the token's jobs there
-are done; the layer ends when the last partial arrives. After the last layer
-the token returns to its home server.
+Per token-layer (the decision logic itself is ``testbed/core.py``): the dense
+part runs at the residing server (a job in its stream under
+``physics: hardware``, a delay under ``physics: paper``); the decider there
+routes on its ``StateView``; after the decision's CPU time the hidden state
+fans out; jobs queue at the participants; each participant sends its partial
+output to the aggregation server once all of the token's jobs there are done;
+the layer ends when the last partial arrives. After the last layer the token
+returns to its home server.
 
 Views are refreshed from the true stream backlogs at every window boundary
 (a snapshot), and between refreshes only by the decider's own admissions.
@@ -24,14 +26,15 @@ Views are refreshed from the true stream backlogs at every window boundary
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from hetroute.state import ExecType, StateView, TokenView, Unroutable
+from hetroute.state import StateView, TokenView, Unroutable
 
+from ..core import Routed, TokenLayerCore
 from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
+from ..steps import DENSE, Job, StepScheduler
 
 if TYPE_CHECKING:
     from ..setup import RunSetup
@@ -42,15 +45,18 @@ class SimStats:
     events: int = 0
     token_layers: int = 0
     sim_time_s: float = 0.0
-    batches: int = 0
-    coalesced_jobs: int = 0
+    batches: int = 0  # steps
+    coalesced_jobs: int = 0  # jobs that shared a replica's weight read with another
     failed_requests: int = 0
+    decisions: int = 0
+    decision_cpu_s: float = 0.0  # measured CPU time of all decisions
+    decision_charged_s: float = 0.0  # what the simulated servers were charged
 
 
 class _Token:
-    __slots__ = ("req", "view", "targets", "t_layer", "t_dec", "assign", "pending",
-                 "per_server", "fan_out_end", "compute_end", "fan_in_end", "bytes",
-                 "view_age", "backlog_err", "decider", "jobs", "attempt", "retries")
+    __slots__ = ("req", "view", "targets", "t_layer", "t_dec", "t_disp", "routed", "pending",
+                 "per_server", "fan_out_end", "compute_end", "fan_in_end", "bytes", "decider",
+                 "gpus", "attempt", "retries")
 
     def __init__(self, req: "_Request", view: TokenView, targets: tuple) -> None:
         self.req = req
@@ -93,20 +99,25 @@ class SimBackend:
                    for m in range(N)]
         self.delay = [list(row) for row in cl.delay]
         self.link_free = [[0.0] * N for _ in range(N)]
+        self.core = core = TokenLayerCore(setup.router, setup.deployment, cl, shape, spec.physics)
+        self.rep_server = core.rep_server
         dep = setup.deployment
-        self.rep_server = [r.server for r in dep.replicas]
-        self.rep_expert = [r.expert for r in dep.replicas]
-        self.rep_prec = [int(r.precision) for r in dep.replicas]
-        self.rep_loadtime = [shape.expert_bytes[r.precision] / cl.pcie[r.server]
-                             for r in dep.replicas]
-        self.rep_comp = [shape.expert_flops / cl.flops[r.server] for r in dep.replicas]
-        self.dense = [shape.dense_flops / f for f in cl.flops]
-        # streams
-        self.queue: list[OrderedDict] = [OrderedDict() for _ in range(N)]
-        self.queued_work = [0.0] * N
-        self.busy_until = [0.0] * N
-        self.busy = [False] * N
+        eng = spec.engine
+        self.hardware = spec.physics == "hardware"
+        self.deciders = [setup.router.decider(n) for n in range(N)]
+        self.dynamic = core.dynamic
+        prec = [r.precision for r in dep.replicas]
+        self.sched = [StepScheduler(core.world, n, prec.__getitem__, self._resident_fn(n),
+                                    scope="layer" if self.hardware else "replica",
+                                    max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
+                                    on_execute=self.deciders[n].on_execute if self.dynamic else None)
+                      for n in range(N)]
+        self.wake_at = [-1.0] * N  # a pending hold wake-up per stream
+        self.dense_delay = [core.world.dense_s(n, 1) for n in range(N)]  # paper physics only
         self.copy_free = [0.0] * N  # per-server PCIe copy engine for prefetches
+        self.cpu_free = [0.0] * N  # per-server CPU that makes decisions
+        self.measured_decisions = eng.decision_s == "measured"
+        self.decision_s = float(getattr(setup, "decision_s", 0.0))
         # state views and deciders
         self.window = spec.window_s
         self.views = [StateView(N) for _ in range(N)]
@@ -116,17 +127,18 @@ class SimBackend:
         self.link_up: list[list[bool]] | None = None  # None until a link is cut
         self.max_retries = 2
         self.names = {name: i for i, name in enumerate(cl.names)}
-        self.deciders = [setup.router.decider(n) for n in range(N)]
-        self.dynamic = type(setup.router).dynamic_residency
-        self.static_gpu = [r.gpu for r in dep.replicas]
-        self.exec_table = ExecType.table()
         self.realized = [dict(tx=0.0, off=0.0, cq=0.0, q=0.0) for _ in range(N)]
-        self.lambda_q = float(getattr(setup.router.params, "lambda_q", 0.0))
         # events
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
         self.stats = SimStats()
+
+    def _resident_fn(self, n: int) -> Callable[[int], bool]:
+        """Tier of a replica on server n right now (the server's own cache, if dynamic)."""
+        if self.dynamic:
+            return self.deciders[n].gpu_resident
+        return self.core.static_gpu.__getitem__
 
     # -- event plumbing -------------------------------------------------------
     def at(self, t: float, fn, arg) -> None:
@@ -148,9 +160,8 @@ class SimBackend:
         free[n] = end
         return end + self.delay[m][n]
 
-    def true_backlog(self, n: int, t: float) -> float:
-        rem = self.busy_until[n] - t
-        return (rem if rem > 0 else 0.0) + self.queued_work[n]
+    def true_backlog(self, n: int) -> float:
+        return self.sched[n].backlog(self.now)
 
     # -- run ------------------------------------------------------------------
     def run(self) -> SimStats:
@@ -176,15 +187,17 @@ class SimBackend:
             if progress is not None and t - last_progress >= 0.1:
                 last_progress = t
                 progress(t)
-        self.stats.events = events
-        self.stats.sim_time_s = self.now
-        return self.stats
+        st = self.stats
+        st.events = events
+        st.sim_time_s = self.now
+        st.batches = sum(sc.steps for sc in self.sched)
+        return st
 
     def _window(self, _) -> None:
         t = self.now
         snap = self.snapshot
         for n in range(self.N):
-            snap[n] = self.true_backlog(n, t)
+            snap[n] = self.sched[n].backlog(t)
         self.snap_window += 1
         for n in range(self.N):
             r = self.realized[n]
@@ -209,11 +222,12 @@ class SimBackend:
             if n is None:
                 raise ValueError(f"fault: unknown server {f.server!r}")
             self.alive[n] = False
-            lost = [job for group in self.queue[n].values() for job in group]
-            self.queue[n].clear()
-            self.queued_work[n] = 0.0
+            sc = self.sched[n]
+            lost = [job for group in sc.queue.values() for job in group]
+            sc.queue.clear()
+            sc.queued_s = 0.0
             for job in lost:
-                self._lost(job[0], job[3], n, f"server {f.server} died")
+                self._lost(job.owner[0], job.owner[1], n, f"server {f.server} died")
         elif f.kind == "cut_link":
             m = self.names.get(f.peer) if f.peer else None
             if n is None or m is None:
@@ -257,11 +271,18 @@ class SimBackend:
         self._begin_layer(tok)
 
     def _begin_layer(self, tok: _Token) -> None:
-        """The token is ready at its residing server; the dense part runs, then it is routed."""
+        """The token is ready at its residing server: the dense part, then the decision."""
         t = self.now
         tok.t_layer = t
-        self.seq += 1
-        heapq.heappush(self.heap, (t + self.dense[tok.view.server], self.seq, self._decide, tok))
+        theta = tok.view.server
+        if not self.hardware:  # the paper's world: a per-token delay outside the stream
+            self.seq += 1
+            heapq.heappush(self.heap, (t + self.dense_delay[theta], self.seq, self._decide, tok))
+            return
+        tv = tok.view
+        self.sched[theta].submit(Job(tv.layer, DENSE, tok, tv.request, tv.index, t,
+                                     (tok, tok.attempt), tok.req.arrival))
+        self._kick(theta)
 
     def _decide(self, tok: _Token) -> None:
         tv = tok.view
@@ -277,78 +298,70 @@ class SimBackend:
         if view.window != self.snap_window:
             self._refresh(view)
         try:
-            a = self.deciders[theta].route(tv, tok.targets[tv.layer], view)
+            routed = self.core.decide(self.deciders[theta], view, tv, tok.targets[tv.layer],
+                                      self.true_backlog)
         except Unroutable as err:
             self._fail(tok, str(err))
             return
-        tok.assign = a
+        tok.routed = routed
         tok.decider = theta
+        st = self.stats
+        st.decisions += 1
+        st.decision_cpu_s += routed.decision_s
+        cost = routed.decision_s if self.measured_decisions else self.decision_s
+        if cost > 0:  # decisions at one server queue for its CPU
+            start = self.cpu_free[theta] if self.cpu_free[theta] > t else t
+            self.cpu_free[theta] = end = start + cost
+            st.decision_charged_s += end - t
+            self.at(end, self._dispatch, (tok, tok.attempt))
+        else:
+            self._dispatch((tok, tok.attempt))
+
+    def _dispatch(self, arg) -> None:
+        tok, att = arg
+        if att != tok.attempt or tok.req.failed:
+            return
+        t = self.now
+        tok.t_disp = t
+        routed: Routed = tok.routed
+        a = routed.assignment
+        theta = tok.view.server
         if a.prefetch:
             self._prefetch(a.prefetch)
-        tok.view_age = t - view.opened_at
-        rs = self.rep_server
-        att = tok.attempt
-        for r in a.replicas:  # a send to a dead server or over a cut link fails at once
-            n = rs[r]
+        for n in routed.per_server:  # a send to a dead server or over a cut link fails at once
             if n != theta and not self.reachable(theta, n):
                 self._lost(tok, att, n, f"cannot reach {self.s.cluster.names[n]}")
                 return
-        tok.jobs = jobs = [[tok, r, True, att] for r in a.replicas]
-        per_server: dict[int, list] = {}
-        for job in jobs:
-            n = rs[job[1]]
-            lst = per_server.get(n)
-            if lst is None:
-                per_server[n] = [job]
-            else:
-                lst.append(job)
-        # staleness: what the decider believed about each participant vs the truth
-        err = 0.0
-        bu, qw, bl, adm = self.busy_until, self.queued_work, view.backlog, view.admitted
-        for n in per_server:
-            rem = bu[n] - t
-            d = bl[n] - ((rem if rem > 0 else 0.0) + qw[n])
-            if (d if d > 0 else -d) > (err if err > 0 else -err):
-                err = d
-        comp, lt = self.rep_comp, self.rep_loadtime
-        dynamic, sg = self.dynamic, self.static_gpu
-        for job in jobs:  # line 27 of Algorithm 2: the decider's own admissions
-            r = job[1]
-            n = rs[r]
-            gpu = self.deciders[n].gpu_resident(r) if dynamic else sg[r]
-            w = comp[r] if gpu else comp[r] + lt[r]
-            bl[n] += w
-            adm[n] += w
-        tok.per_server = {n: len(js) for n, js in per_server.items()}
-        tok.pending = len(per_server)
+        tv = tok.view
+        tok.gpus = [True] * len(a.replicas)
+        tok.per_server = {n: len(js) for n, js in routed.per_server.items()}
+        tok.pending = len(routed.per_server)
         tok.compute_end = t
         tok.fan_in_end = t
         fan_out_end = t
         nbytes = 0
-        for n, sjobs in per_server.items():
+        for n, positions in routed.per_server.items():
+            jobs = [Job(tv.layer, a.replicas[j], tok, tv.request, tv.index, 0.0, (tok, att, j),
+                        tok.req.arrival) for j in positions]
             if n == theta:
-                self._enqueue(n, sjobs)
+                self._enqueue(n, jobs)
             else:
                 arr = self.send(theta, n, t)
                 nbytes += self.msg_bytes
                 if arr > fan_out_end:
                     fan_out_end = arr
                 self.seq += 1
-                heapq.heappush(self.heap, (arr, self.seq, self._jobs_arrive, (n, sjobs)))
+                heapq.heappush(self.heap, (arr, self.seq, self._jobs_arrive, (n, jobs)))
         tok.fan_out_end = fan_out_end
         tok.bytes = nbytes
-        tok.backlog_err = err
-
-    def _gpu(self, n: int, r: int) -> bool:
-        """Tier of replica r on server n right now."""
-        return self.deciders[n].gpu_resident(r) if self.dynamic else self.static_gpu[r]
 
     def _prefetch(self, replicas: tuple[int, ...]) -> None:
         """Copy replicas to their server's GPU on a FIFO copy engine (v / beta each)."""
+        w = self.core.world
         for r in replicas:
             n = self.rep_server[r]
             start = max(self.now, self.copy_free[n])
-            self.copy_free[n] = end = start + self.rep_loadtime[r]
+            self.copy_free[n] = end = start + w.load_s(n, self.s.deployment.replicas[r].precision)
             self.at(end, self._prefetched, r)
 
     def _prefetched(self, r: int) -> None:
@@ -358,74 +371,66 @@ class SimBackend:
         n, jobs = arg
         if not self.alive[n]:
             for job in jobs:
-                self._lost(job[0], job[3], n, f"server {self.s.cluster.names[n]} died")
+                self._lost(job.owner[0], job.owner[1], n, f"server {self.s.cluster.names[n]} died")
             return
         self._enqueue(n, jobs)
 
-    def _enqueue(self, n: int, jobs: list) -> None:
-        q = self.queue[n]
-        comp = self.rep_comp
-        work = 0.0
+    def _enqueue(self, n: int, jobs: list[Job]) -> None:
+        sc = self.sched[n]
+        t = self.now
         for job in jobs:
-            r = job[1]
-            group = q.get(r)
-            if group is None:
-                q[r] = [job]
-                work += comp[r] if self._gpu(n, r) else comp[r] + self.rep_loadtime[r]
-            else:
-                group.append(job)
-                work += comp[r]
-        self.queued_work[n] += work
-        if not self.busy[n]:
-            self._start_batch(n)
+            job.arrival = t
+            sc.submit(job)
+        self._kick(n)
 
-    def _start_batch(self, n: int) -> None:
-        q = self.queue[n]
-        r, jobs = q.popitem(last=False)
-        gpu = self._gpu(n, r)
-        load = 0.0 if gpu else self.rep_loadtime[r]
-        if self.dynamic:
-            self.deciders[n].on_execute(r, not gpu)
-        dur = load + len(jobs) * self.rep_comp[r]
-        if q:
-            self.queued_work[n] -= dur
-        else:
-            self.queued_work[n] = 0.0  # no float drift
-        end = self.now + dur
-        self.busy[n] = True
-        self.busy_until[n] = end
-        st = self.stats
-        st.batches += 1
-        st.coalesced_jobs += len(jobs) - 1
-        if not gpu:
-            for job in jobs:
-                job[2] = False
+    def _kick(self, n: int) -> None:
+        """Start the next step on n's stream if it is free and has work."""
+        sc = self.sched[n]
+        if sc.busy or not sc.queue:
+            return
+        t = self.now
+        ready = sc.ready_at(t)
+        if ready > t:
+            if self.wake_at[n] != ready:
+                self.wake_at[n] = ready
+                self.at(ready, self._wake, n)
+            return
+        step = sc.take(t)
+        self.stats.coalesced_jobs += sum(1 for j in step.jobs if j.replica != DENSE) - step.replicas
         self.seq += 1
-        heapq.heappush(self.heap, (end, self.seq, self._batch_done, (n, jobs)))
+        heapq.heappush(self.heap, (t + step.duration, self.seq, self._step_done, (n, step.jobs)))
 
-    def _batch_done(self, arg) -> None:
+    def _wake(self, n: int) -> None:
+        self.wake_at[n] = -1.0
+        self._kick(n)
+
+    def _step_done(self, arg) -> None:
         n, jobs = arg
         t = self.now
-        self.busy[n] = False
+        self.sched[n].finish()
         if not self.alive[n]:
             for job in jobs:
-                self._lost(job[0], job[3], n, f"server {self.s.cluster.names[n]} died")
+                self._lost(job.owner[0], job.owner[1], n, f"server {self.s.cluster.names[n]} died")
             return
         for job in jobs:
-            tok = job[0]
-            if job[3] != tok.attempt or tok.req.failed:
+            tok, att = job.owner[0], job.owner[1]
+            if att != tok.attempt or tok.req.failed:
                 continue  # a re-routed or failed token's stale work
+            if job.replica == DENSE:
+                self._decide(tok)
+                continue
+            tok.gpus[job.owner[2]] = job.gpu
             if t > tok.compute_end:
                 tok.compute_end = t
             ps = tok.per_server
             left = ps[n] - 1
             ps[n] = left
             if left == 0:
-                agg = tok.assign.next_server
+                agg = tok.routed.assignment.next_server
                 if n == agg:
                     arr = t
                 elif not self.reachable(n, agg):
-                    self._lost(tok, job[3], agg, f"partial output cannot reach {self.s.cluster.names[agg]}")
+                    self._lost(tok, att, agg, f"partial output cannot reach {self.s.cluster.names[agg]}")
                     continue
                 else:
                     arr = self.send(n, agg, t)
@@ -440,8 +445,7 @@ class SimBackend:
                         self.seq += 1
                         heapq.heappush(self.heap, (tok.fan_in_end, self.seq, self._layer_done_at,
                                                    (tok, tok.attempt)))
-        if self.queue[n]:
-            self._start_batch(n)
+        self._kick(n)
 
     def _layer_done_at(self, arg) -> None:
         tok, attempt = arg
@@ -451,43 +455,15 @@ class SimBackend:
     def _layer_done(self, tok: _Token) -> None:
         t = self.now
         tok.retries = 0
-        a = tok.assign
         tv = tok.view
-        reps = a.replicas
-        rs, re, rp, lt = self.rep_server, self.rep_expert, self.rep_prec, self.rep_loadtime
-        theta = tv.server
-        et = self.exec_table
-        servers, experts, precs, gpus, types = [], [], [], [], []
-        off = 0.0
-        for job, mode in zip(tok.jobs, a.modes):
-            r, g = job[1], job[2]
-            n = rs[r]
-            servers.append(n)
-            experts.append(re[r])
-            precs.append(rp[r])
-            gpus.append(g)
-            types.append(et[mode][n == theta][g])
-            if not g and lt[r] > off:
-                off = lt[r]
-        fanout = tok.fan_out_end - tok.t_dec
-        compute = tok.compute_end - tok.fan_out_end
-        if compute < 0:
-            compute = 0.0
-        ce = tok.compute_end if tok.compute_end > tok.fan_out_end else tok.fan_out_end
-        fanin = t - ce
+        a = tok.routed.assignment
         if tv.layer == self.L - 1 and a.next_server != tv.home:
             tok.bytes += self.msg_bytes  # the final hop home, sent right after this layer
-        self.w.token_layer(
-            (tv.request, tv.index, tv.layer, tok.t_layer, theta, a.next_server,
-             len(tok.per_server), fanout, compute, fanin, t - tok.t_layer, tok.bytes, a.dq,
-             a.est_delay, tok.view_age, tok.backlog_err),
-            (a.targets, experts, reps, servers, precs, gpus, types))
+        rec = self.core.record(tv, tok.routed, tok.gpus, tok.t_layer, tok.t_dec, tok.t_disp,
+                               tok.fan_out_end, tok.compute_end, t, tok.bytes, len(tok.per_server))
+        self.w.token_layer(rec)
         self.stats.token_layers += 1
-        rl = self.realized[tok.decider]
-        rl["tx"] += fanout + fanin
-        rl["off"] += off
-        rl["cq"] += compute - off if compute > off else 0.0
-        rl["q"] += self.lambda_q * a.dq
+        self.core.realize(rec, self.realized[tok.decider])
         tv.lam_acc += a.dq
         tv.server = a.next_server
         tv.layer += 1

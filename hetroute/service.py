@@ -1,0 +1,111 @@
+"""Service times of a server's stream, under one of two models.
+
+- ``paper``: the paper's cost model (Sec. III-D, eq. 9): an expert job costs
+  w_E / F_n per token, the dense part dense FLOPs / F_n per token, a
+  CPU-resident replica v(c) / beta_n per use. Work is additive in tokens.
+- ``hardware``: the roofline of ``hetroute.hardware`` on each server's GPU
+  class: a batch of b tokens through one expert reads all its weights once,
+  so its time is nearly flat in b until compute binds; the dense part reads
+  the dense weights once per batch plus each request's KV cache; a
+  CPU-resident replica crosses PCIe at the achieved fraction of the link.
+
+The same classes serve two users that must stay apart: the backends' world
+(``spec.physics``) and each router's belief (``router.params.cost_model``).
+"""
+
+from __future__ import annotations
+
+from .hardware import Device, ffn_seconds
+from .system import Cluster, MoEShape, Precision
+
+MODELS = ("paper", "hardware")
+#: Achieved share of the PCIe link for host-to-device copies: 81-84% measured on
+#: A100 (Gen4 x16) and V100 (Gen3 x16) by CSCS's ReFrame reference values
+#: (reframe-hpc/reframe, cscs-checks/microbenchmarks/gpu/memory_bandwidth).
+PCIE_EFFICIENCY = 0.8
+
+
+class ServiceModel:
+    """Seconds of stream time; ``tokens`` is the batch one kernel serves."""
+
+    name = "base"
+
+    def __init__(self, cluster: Cluster, shape: MoEShape) -> None:
+        self.cluster, self.shape = cluster, shape
+
+    def expert_s(self, server: int, precision: Precision, tokens: int = 1) -> float:
+        raise NotImplementedError
+
+    def dense_s(self, server: int, tokens: int = 1, attn_positions: int = 0,
+                kv_positions: int = 0) -> float:
+        """The dense part of one layer for ``tokens`` tokens that attend to
+        ``attn_positions`` positions in all and read ``kv_positions`` cached ones."""
+        raise NotImplementedError
+
+    def load_s(self, server: int, precision: Precision) -> float:
+        """Moving one replica's weights from CPU to GPU memory."""
+        raise NotImplementedError
+
+    def marginal_s(self, server: int, precision: Precision, batch: int) -> float:
+        """What one more token adds to a batch of ``batch`` tokens of one expert."""
+        return self.expert_s(server, precision, batch + 1) - self.expert_s(server, precision, batch)
+
+
+class PaperService(ServiceModel):
+    """Eq. (9)'s terms: w/F per token, v/beta per load, dense FLOPs/F per token."""
+
+    name = "paper"
+
+    def __init__(self, cluster: Cluster, shape: MoEShape) -> None:
+        super().__init__(cluster, shape)
+        self._comp = [shape.expert_flops / f for f in cluster.flops]
+        self._dense = [shape.dense_flops / f for f in cluster.flops]
+
+    def expert_s(self, server: int, precision: Precision, tokens: int = 1) -> float:
+        return tokens * self._comp[server]
+
+    def dense_s(self, server: int, tokens: int = 1, attn_positions: int = 0,
+                kv_positions: int = 0) -> float:
+        return tokens * self._dense[server]
+
+    def load_s(self, server: int, precision: Precision) -> float:
+        return self.shape.expert_bytes[precision] / self.cluster.pcie[server]
+
+
+class HardwareService(ServiceModel):
+    """The roofline on each server's GPU class (memoised per batch size)."""
+
+    name = "hardware"
+
+    def __init__(self, cluster: Cluster, shape: MoEShape) -> None:
+        super().__init__(cluster, shape)
+        self.devices: list[Device] = [cluster.device(n) for n in range(cluster.n)]
+        self._memo: dict[tuple[int, int, int], float] = {}
+
+    def expert_s(self, server: int, precision: Precision, tokens: int = 1) -> float:
+        key = (server, int(precision), tokens)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = ffn_seconds(self.devices[server], self.shape.expert_ffn,
+                                              tokens, Precision(precision).label)
+        return t
+
+    def dense_s(self, server: int, tokens: int = 1, attn_positions: int = 0,
+                kv_positions: int = 0) -> float:
+        if tokens < 1:
+            return 0.0
+        sh = self.shape
+        flops = tokens * sh.dense_flops + attn_positions * sh.attn_flops_per_position
+        nbytes = sh.dense_bytes + kv_positions * sh.kv_bytes_per_token + 16.0 * tokens * sh.d_model
+        return self.devices[server].kernel_s(flops, nbytes, kernels=sh.dense_kernels)
+
+    def load_s(self, server: int, precision: Precision) -> float:
+        return self.shape.expert_bytes[precision] / (self.cluster.pcie[server] * PCIE_EFFICIENCY)
+
+
+def make_service(name: str, cluster: Cluster, shape: MoEShape) -> ServiceModel:
+    if name == "paper":
+        return PaperService(cluster, shape)
+    if name == "hardware":
+        return HardwareService(cluster, shape)
+    raise ValueError(f"unknown service model {name!r}; one of {', '.join(MODELS)}")

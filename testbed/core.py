@@ -1,0 +1,167 @@
+"""The token-layer core both backends call: decide -> admit -> dispatch plan -> record -> feedback.
+
+Transport-free and clock-free: a backend hands it the decider, its view, the
+token and the true state it may compare against, and gets back what to send
+where and, once the layer is done, a typed record. The simulator and the
+emulator therefore differ only in how time passes and how bytes move.
+
+What a decider may know is enforced here, not in each backend: it sees its
+own server's live expert-cache state, and for every other server only the
+static tier of the deployment (a real server cannot read a peer's cache).
+Admissions (line 27 of Algorithm 2) add the router's *belief* of a job's
+stream time to its view; the world's time comes from the step scheduler.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from hetroute.deployment import Deployment
+from hetroute.routers.base import Router
+from hetroute.service import PaperService, ServiceModel, make_service
+from hetroute.system import Cluster, MoEShape
+from hetroute.state import Assignment, ExecType, StateView, TokenView, Unroutable
+
+from .records import TokenLayerRecord
+
+DECISION_SAMPLES = 256  # token-layers timed at set-up for ``decision_s: calibrated``
+
+
+@dataclass(slots=True)
+class Routed:
+    """A decision and what follows from it, before any byte moves."""
+
+    assignment: Assignment
+    per_server: dict[int, list[int]]  # participant -> positions in the assignment
+    decision_s: float  # CPU seconds the decision took (measured)
+    view_age_s: float
+    backlog_err_s: float  # belief minus truth at the participant where they differ most
+
+
+class TokenLayerCore:
+    """Shared by both backends for one run (one per process in the emulator)."""
+
+    def __init__(self, router: Router, deployment: Deployment, cluster: Cluster, shape: MoEShape,
+                 physics: str) -> None:
+        dep = deployment
+        self.router = router
+        self.deployment = dep
+        self.world: ServiceModel = make_service(physics, cluster, shape)
+        #: the router's belief; a router without one believes the paper's model
+        self.belief: ServiceModel = getattr(router, "service", None) or PaperService(cluster, shape)
+        self.dynamic = type(router).dynamic_residency
+        self.rep_server = [r.server for r in dep.replicas]
+        self.rep_expert = [r.expert for r in dep.replicas]
+        self.rep_prec = [int(r.precision) for r in dep.replicas]
+        self.static_gpu = [r.gpu for r in dep.replicas]
+        self.exec_table = ExecType.table()
+        b, w = self.belief, self.world
+        #: the decider's belief of one job's stream time, by replica and tier
+        self.admit_gpu = [b.expert_s(r.server, r.precision, 1) for r in dep.replicas]
+        self.admit_cpu = [b.expert_s(r.server, r.precision, 1) + b.load_s(r.server, r.precision)
+                          for r in dep.replicas]
+        #: the world's GPU-CPU load of each replica (realized offload cost)
+        self.world_load = [w.load_s(r.server, r.precision) for r in dep.replicas]
+        self.lambda_q = float(getattr(router.params, "lambda_q", 0.0) or 0.0)
+
+    # -- decide and admit -------------------------------------------------------
+    def decide(self, decider: Router, view: StateView, tok: TokenView, targets: tuple[int, ...],
+               true_backlog) -> Routed:
+        """Route one token-layer at its residing server; raises ``Unroutable``.
+
+        ``true_backlog(n)`` is server n's real queue in stream seconds (the
+        simulator's truth; the emulator's latest report), used only to measure
+        the view's staleness."""
+        t0 = time.perf_counter()
+        a = decider.route(tok, targets, view)
+        spent = time.perf_counter() - t0
+        theta = tok.server
+        rs = self.rep_server
+        per_server: dict[int, list[int]] = {}
+        for j, r in enumerate(a.replicas):
+            n = rs[r]
+            lst = per_server.get(n)
+            if lst is None:
+                per_server[n] = [j]
+            else:
+                lst.append(j)
+        err = 0.0
+        bl = view.backlog
+        for n in per_server:
+            d = bl[n] - true_backlog(n)
+            if (d if d > 0 else -d) > (err if err > 0 else -err):
+                err = d
+        now = tok.now
+        for r in a.replicas:  # line 27 of Algorithm 2, in the decider's own belief
+            n = rs[r]
+            view.admit(n, self.admit_gpu[r] if self.tier(decider, theta, r) else self.admit_cpu[r],
+                       r, now)
+        return Routed(a, per_server, spent, tok.now - view.opened_at, err)
+
+    def tier(self, decider: Router, theta: int, r: int) -> bool:
+        """GPU tier of replica r as the decider at theta can know it."""
+        if self.dynamic and self.rep_server[r] == theta:
+            return decider.gpu_resident(r)
+        return self.static_gpu[r]
+
+    # -- the layer is done ------------------------------------------------------
+    def record(self, tok: TokenView, routed: Routed, gpus: list[bool], t_start: float,
+               t_decided: float, t_dispatch: float, fan_out_end: float, compute_end: float,
+               t_done: float, nbytes: int, participants: int) -> TokenLayerRecord:
+        a = routed.assignment
+        theta = tok.server
+        rs, et = self.rep_server, self.exec_table
+        servers = [rs[r] for r in a.replicas]
+        types = [et[m][n == theta][g] for m, n, g in zip(a.modes, servers, gpus)]
+        compute = compute_end - fan_out_end
+        ce = compute_end if compute_end > fan_out_end else fan_out_end
+        return TokenLayerRecord(
+            request=tok.request, token=tok.index, layer=tok.layer, t_start=t_start, server=theta,
+            next_server=a.next_server, participants=participants,
+            fanout_s=fan_out_end - t_dispatch, compute_s=compute if compute > 0 else 0.0,
+            fanin_s=t_done - ce, total_s=t_done - t_start, bytes=nbytes, dq=a.dq,
+            est_delay_s=a.est_delay, view_age_s=routed.view_age_s,
+            backlog_err_s=routed.backlog_err_s, dense_s=t_decided - t_start,
+            decision_s=t_dispatch - t_decided, targets=a.targets,
+            exec_experts=[self.rep_expert[r] for r in a.replicas], replicas=a.replicas,
+            exec_servers=servers, precisions=[self.rep_prec[r] for r in a.replicas], gpus=gpus,
+            exec_types=types)
+
+    def realize(self, rec: TokenLayerRecord, acc: dict[str, float]) -> None:
+        """Add a finished layer's realized cost components (eq. 21's feedback input)."""
+        off = 0.0
+        for r, g in zip(rec.replicas, rec.gpus):
+            if not g and self.world_load[r] > off:
+                off = self.world_load[r]
+        acc["tx"] += rec.fanout_s + rec.fanin_s
+        acc["off"] += off
+        acc["cq"] += rec.compute_s - off if rec.compute_s > off else 0.0
+        acc["q"] += self.lambda_q * rec.dq
+
+
+def calibrate_decision_s(router: Router, samples: int = DECISION_SAMPLES) -> float:
+    """Median CPU seconds of one decision of this router on its calibration
+    tokens (a fresh instance bound to the same deployment, empty views), rounded
+    to a microsecond: the constant the simulator charges per decision under
+    ``decision_s: calibrated``."""
+    r = type(router)(router.problem, router.params)
+    r.bind(router.deployment)
+    pr = r.problem
+    N, L = pr.cluster.n, pr.shape.n_layers
+    cal = pr.calibration
+    deciders = [r.decider(n) for n in range(N)]
+    views = [StateView(N) for _ in range(N)]
+    spent = []
+    for i in range(min(samples, len(cal.homes) * L)):
+        tok, layer = i // L, i % L
+        home = int(cal.homes[tok])
+        tv = TokenView(-1 - tok, 0, home, pr.lam_max, layer=layer)
+        try:
+            t0 = time.perf_counter()
+            deciders[home].route(tv, tuple(int(e) for e in cal.targets[tok, layer]), views[home])
+            spent.append(time.perf_counter() - t0)
+        except Unroutable:
+            continue
+    return round(statistics.median(spent), 6) if spent else 0.0

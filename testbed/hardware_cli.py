@@ -1,0 +1,169 @@
+"""``python -m testbed hardware ...``: the hardware model from the command line.
+
+- ``kernel``: predicted milliseconds of one FFN kernel per token count, on a GPU
+  class, a server of a topology (``paper10:s2``) or the calibrated CPU (``cpu``);
+- ``calibrate-cpu``: measure this machine's CPU (``testbed/cpu_profile.py``);
+- ``validate``: the model against operator profiles in Vidur's CSV layout
+  (Agrawal et al., MLSys 2024, ``data/profiling/compute/<gpu>/<model>/mlp.csv``),
+  which are not in this repository: pass the folder that holds them;
+- ``classes``: the catalogue.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from hetroute.hardware import (CATALOGUE, Device, FfnShape, HardwareError, ffn_seconds, gpu_class)
+
+CPU_FILE = Path("results/hardware/cpu.json")
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="The hardware model: GPU classes, kernel times, CPU calibration.")
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def resolve_device(gpu: str, cpu_file: Path = CPU_FILE) -> Device:
+    """A class name (``a40``), ``TOPOLOGY:SERVER`` (``paper10:s2``) or ``cpu``."""
+    if gpu == "cpu":
+        from .cpu_profile import device_from
+        if not cpu_file.exists():
+            raise HardwareError(f"--gpu cpu: no calibration at {cpu_file}; run "
+                                "`python -m testbed hardware calibrate-cpu` first")
+        return device_from(json.loads(cpu_file.read_text()))
+    if ":" in gpu:
+        from topologies import TopologyError, load_topology
+        topo, _, server = gpu.rpartition(":")
+        try:
+            cl = load_topology(topo).to_cluster()
+        except TopologyError as err:
+            raise HardwareError(f"--gpu: {err}") from None
+        if server not in cl.names:
+            raise HardwareError(f"--gpu: topology {topo} has no server {server!r} "
+                                f"(has {', '.join(cl.names)})")
+        return cl.device(cl.names.index(server))
+    try:
+        return Device.from_class(gpu_class(gpu))
+    except HardwareError as err:
+        raise HardwareError(f"--gpu: {err}") from None
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HardwareError(f"--tokens: expected comma-separated integers, got {text!r}") from None
+    if not out or any(t < 1 or t > 10_000_000 for t in out):
+        raise HardwareError(f"--tokens: each count must be in 1..10^7, got {text!r}")
+    return out
+
+
+@app.command()
+def kernel(gpu: str = typer.Option(..., help="GPU class, TOPOLOGY:SERVER, or cpu"),
+           d_model: int = typer.Option(..., "--d-model", help="hidden size"),
+           d_ff: int = typer.Option(..., "--d-ff", help="intermediate size"),
+           gated: bool = typer.Option(False, "--gated/--no-gated", help="SwiGLU (3 matrices)"),
+           tokens: str = typer.Option("1,8,64,512", help="token counts, comma-separated"),
+           precision: str = typer.Option("fp16", help="fp16, int8 or int4 (weight-only)")) -> None:
+    """Predicted time of one FFN over each token count: one line ``tokens=N ms=X`` each."""
+    try:
+        dev = resolve_device(gpu)
+        if precision not in ("fp16", "int8", "int4"):
+            raise HardwareError(f"--precision: one of fp16, int8, int4, got {precision!r}")
+        ffn = FfnShape(d_model, d_ff, gated)
+        counts = _tokens(tokens)
+        dev.check_precision(precision)
+    except HardwareError as err:
+        _fail(str(err).replace("ffn: ", "--d-model/--d-ff: "))
+        return
+    for b in counts:
+        typer.echo(f"tokens={b} ms={ffn_seconds(dev, ffn, b, precision) * 1e3:.4f}")
+
+
+@app.command()
+def classes() -> None:
+    """The catalogue: datasheet numbers and the source of each row."""
+    typer.echo(f"{'class':10s} {'FP16 TF':>8s} {'mem GB':>7s} {'GB/s':>7s} {'PCIe':>6s} "
+               f"{'sm':>4s}  precisions")
+    for g in CATALOGUE.values():
+        typer.echo(f"{g.name:10s} {g.fp16_tflops:8.1f} {g.mem_gb:7.0f} {g.mem_bw_gb_s:7.0f} "
+                   f"{g.pcie_gb_s:6.1f} {g.sm:4.1f}  {','.join(g.precisions)}")
+
+
+@app.command("calibrate-cpu")
+def calibrate_cpu(out: Path = typer.Option(CPU_FILE, help="where to write the measurement"),
+                  threads: int = typer.Option(1, min=1, max=256, help="torch threads"),
+                  reps: int = typer.Option(5, min=1, max=100, help="repetitions per point")) -> None:
+    """Measure this CPU as a device (GEMM profile, bandwidths, overhead); about 30 s."""
+    from .cpu_profile import measure_cpu
+    d = measure_cpu(threads=threads, reps=reps)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(d, indent=1))
+    typer.echo(f"{d['name']}: GEMM {d['flops'] / 1e9:.1f} GFLOP/s at 512 tokens, GEMV "
+               f"{d['mem_bw'] / 1e9:.1f} GB/s, element-wise {d['elementwise_bw'] / 1e9:.1f} GB/s, "
+               f"{d['launch_s'] * 1e6:.1f} us per operator ({threads} thread(s)) -> {out}")
+
+
+#: Vidur names its GPUs by folder; the catalogue class each stands for.
+VIDUR_GPUS = {"a40": "a40", "a100": "a100-80", "h100": "h100-sxm"}
+
+
+def validate_rows(root: Path, tokens: tuple[int, ...] = (1, 8, 32, 64, 128, 256, 512, 1024, 4096)
+                  ) -> list[dict]:
+    """Model vs measured MLP kernel time for every ``<gpu>/<org>/<model>/mlp.csv`` under root
+    (TP=1 rows, median of up + act + down projections, milliseconds)."""
+    import pandas as pd
+    rows = []
+    for csv in sorted(root.glob("*/*/*/mlp.csv")):
+        gpu = csv.parts[-4]
+        if gpu not in VIDUR_GPUS:
+            continue
+        df = pd.read_csv(csv)
+        df = df[df.num_tensor_parallel_workers == 1]
+        if df.empty or not df.use_gated_mlp.iloc[0]:
+            continue
+        d_model, d_ff = int(df.n_embd.iloc[0]), int(df.n_expanded_embd.iloc[0])
+        dev = Device.from_class(gpu_class(VIDUR_GPUS[gpu]))
+        ffn = FfnShape(d_model, d_ff, gated=True)
+        for b in tokens:
+            hit = df[df.num_tokens == b]
+            if hit.empty:
+                continue
+            r = hit.iloc[0]
+            meas = sum(float(r[f"time_stats.{op}.median"]) for op in ("mlp_up_proj", "mlp_act", "mlp_down_proj"))
+            # Vidur times kernels only (no launch gaps): compare without launch overhead
+            pred = (ffn_seconds(dev, ffn, b) - 3 * dev.launch_s) * 1e3
+            rows.append({"gpu": gpu, "model": f"{csv.parts[-3]}/{csv.parts[-2]}", "d_model": d_model,
+                         "d_ff": d_ff, "tokens": b, "measured_ms": meas, "model_ms": pred,
+                         "ratio": pred / meas})
+    return rows
+
+
+@app.command()
+def validate(root: Path = typer.Argument(..., help="folder with <gpu>/<org>/<model>/mlp.csv (Vidur's "
+                                          "data/profiling/compute)"),
+             out: Path | None = typer.Option(None, help="also write the rows as CSV")) -> None:
+    """The kernel model against measured MLP times of real GPUs (not shipped here)."""
+    if not root.is_dir():
+        _fail(f"{root}: no such folder")
+    rows = validate_rows(root)
+    if not rows:
+        _fail(f"{root}: no <gpu>/<org>/<model>/mlp.csv with TP=1 gated-MLP rows for "
+              f"{', '.join(VIDUR_GPUS)}")
+    import pandas as pd
+    df = pd.DataFrame(rows)
+    typer.echo(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    err = (df.ratio - 1).abs()
+    typer.echo(f"\n{len(df)} points: median |error| {err.median():.1%}, within 15%: "
+               f"{(err <= 0.15).mean():.0%}, within 30%: {(err <= 0.30).mean():.0%}")
+    for b, g in df.groupby("tokens"):
+        typer.echo(f"tokens={b}: median model/measured {g.ratio.median():.2f} "
+                   f"(min {g.ratio.min():.2f}, max {g.ratio.max():.2f})")
+    if out is not None:
+        df.to_csv(out, index=False)

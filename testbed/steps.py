@@ -1,0 +1,249 @@
+"""The step scheduler of one server's GPU stream: one rule for both backends and every router.
+
+Serving engines batch per iteration (Orca, OSDI'22; vLLM, SOSP'23; SGLang):
+when the stream is free it takes what is queued, runs it as one step, and
+each expert that has tokens in the step reads its weights once (fused MoE
+kernels group a step's tokens by expert). Under ``physics: hardware`` a step
+is every job queued for one layer: the dense part of the tokens residing
+here and the expert jobs of that layer, grouped by replica, at most
+``max_batch_tokens`` distinct tokens, oldest request first. The layer is the
+one holding the job of the oldest request (first come, first served, as
+vLLM's scheduler), so a micro-batch that finishes one layer and queues for
+the next is served next: a pipeline stage runs it through its consecutive
+layers, and newer requests that reached the same layer join it.
+
+    step time = sum over active replicas (load v/beta if CPU-resident + expert(n_r tokens))
+                + dense(n tokens, their attention and KV-cache reads)
+
+Under ``physics: paper`` (the world as the paper's cost model has it, kept
+for comparison) a step is one replica's queued jobs, ``load + n w/F``, and the
+dense part is a delay outside the stream, as in the testbed before the
+hardware model.
+
+``hold_s`` (default 0) lets a step wait up to that long after its oldest job
+arrived for more work to batch, as engines with a batching window do.
+Times are model seconds; the emulator multiplies them by its dilation.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hetroute.service import ServiceModel
+from hetroute.system import Precision
+
+DENSE = -1  # replica id of a dense-part job
+
+
+class Job:
+    """One token's work at one server: an expert (``replica`` >= 0) or the dense part."""
+
+    __slots__ = ("layer", "replica", "token", "request", "position", "arrival", "owner", "gpu",
+                 "seq", "prio")
+
+    def __init__(self, layer: int, replica: int, token: Any, request: int, position: int,
+                 arrival: float, owner: Any = None, prio: float = 0.0) -> None:
+        self.layer, self.replica, self.token = layer, replica, token
+        self.request, self.position, self.arrival, self.owner = request, position, arrival, owner
+        self.prio = prio  # the request's arrival time: older requests first (FCFS, as vLLM)
+        self.gpu = True
+        self.seq = 0
+
+
+@dataclass
+class Step:
+    jobs: list[Job]
+    start: float
+    duration: float
+    layer: int
+    replicas: int  # active replicas
+    tokens: int  # distinct tokens
+    loads: int  # CPU-resident replicas loaded over PCIe
+
+
+class StepScheduler:
+    """Queue and step rule of one server. The backend owns time: it calls ``take``
+    when the stream is free (at a time not before ``ready_at``) and ``finish``
+    when the step's duration has passed."""
+
+    def __init__(self, service: ServiceModel, server: int, precision_of: Callable[[int], Precision],
+                 resident: Callable[[int], bool], scope: str = "layer",
+                 max_batch_tokens: int = 2048, hold_s: float = 0.0,
+                 on_execute: Callable[[int, bool], None] | None = None) -> None:
+        if scope not in ("layer", "replica"):
+            raise ValueError("scope must be 'layer' or 'replica'")
+        self.svc, self.n = service, server
+        self.precision_of, self.resident = precision_of, resident
+        self.scope, self.max_tokens, self.hold = scope, int(max_batch_tokens), float(hold_s)
+        self.on_execute = on_execute
+        self.queue: OrderedDict[int, list[Job]] = OrderedDict()  # layer or replica -> jobs
+        self.queued_s = 0.0  # estimated stream time of what is queued
+        self._pending: dict[int, dict[int, int]] = {}  # layer -> replica -> queued jobs
+        self._positions: dict[int, int] = {}  # layer -> positions its queued dense jobs attend
+        self._layer_cost: dict[int, float] = {}  # layer -> estimated stream time
+        self._head: dict[int, tuple[float, int]] = {}  # layer -> (prio, seq) of its first job
+        self.busy = False
+        self.free_at = 0.0
+        self._seq = 0
+        self.steps = 0
+        self.jobs_run = 0
+
+    # -- queueing ----------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        self._seq += 1
+        job.seq = self._seq
+        key = job.replica if self.scope == "replica" else job.layer
+        group = self.queue.get(key)
+        if group is None:
+            self.queue[key] = [job]
+        else:
+            group.append(job)
+        if self.scope == "layer":
+            rank = (job.prio, job.seq)
+            head = self._head.get(key)
+            if head is None or rank < head:
+                self._head[key] = rank
+        if self.scope == "replica":
+            r = job.replica
+            p = self.precision_of(r)
+            self.queued_s += self.svc.expert_s(self.n, p, 1) + (
+                0.0 if group is not None or self.resident(r) else self.svc.load_s(self.n, p))
+            return
+        pend = self._pending.setdefault(job.layer, {})
+        pend[job.replica] = pend.get(job.replica, 0) + 1
+        if job.replica == DENSE:
+            self._positions[job.layer] = self._positions.get(job.layer, 0) + job.position + 1
+        self._update_layer(job.layer)
+
+    def _update_layer(self, layer: int) -> None:
+        """Re-estimate one layer's queued work from its counts (layer scope)."""
+        old = self._layer_cost.get(layer, 0.0)
+        pend = self._pending.get(layer)
+        new = 0.0
+        if pend:
+            svc, n = self.svc, self.n
+            for r, c in pend.items():
+                if r == DENSE:
+                    pos = self._positions.get(layer, 0)
+                    new += svc.dense_s(n, c, pos, pos)
+                else:
+                    p = self.precision_of(r)
+                    new += svc.expert_s(n, p, c) + (0.0 if self.resident(r) else svc.load_s(n, p))
+            self._layer_cost[layer] = new
+        else:
+            self._pending.pop(layer, None)
+            self._positions.pop(layer, None)
+            self._layer_cost.pop(layer, None)
+        self.queued_s += new - old
+        if not self.queue:
+            self.queued_s = 0.0  # no float drift
+
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def _next_key(self) -> int:
+        if self.scope == "replica":
+            return next(iter(self.queue))
+        return min(self._head, key=self._head.__getitem__)
+
+    def earliest(self) -> float:
+        """Arrival of the oldest-arrived job of the group the next step serves."""
+        return min(j.arrival for j in self.queue[self._next_key()])
+
+    def ready_at(self, now: float) -> float:
+        """Earliest time the next step may start (``hold_s`` after its oldest job)."""
+        if not self.hold:
+            return now
+        jobs = self.queue[self._next_key()]
+        if len({j.token for j in jobs}) >= self.max_tokens:
+            return now
+        return max(now, min(j.arrival for j in jobs) + self.hold)
+
+    # -- a step ---------------------------------------------------------------------
+    def take(self, now: float, arrived_by: float | None = None) -> Step:
+        """Start the next step at ``now``; jobs that arrived after ``arrived_by``
+        (default ``now``) wait for a later one (the emulator's timers fire late)."""
+        key = self._next_key()
+        group = self.queue[key]
+        if self.scope == "layer":
+            group.sort(key=lambda j: (j.prio, j.seq))
+        limit = now if arrived_by is None else arrived_by
+        taken, rest, tokens = [], [], set()
+        for j in group:
+            if j.arrival <= limit + 1e-9 and (j.token in tokens or len(tokens) < self.max_tokens):
+                taken.append(j)
+                tokens.add(j.token)
+            else:
+                rest.append(j)
+        if not taken:  # nothing has arrived by then: take the oldest alone
+            taken, rest = [group[0]], group[1:]
+            tokens = {group[0].token}
+        if rest:
+            self.queue[key] = rest
+        else:
+            del self.queue[key]
+        if self.scope == "layer":
+            if rest:
+                self._head[key] = min((j.prio, j.seq) for j in rest)
+            else:
+                del self._head[key]
+        dur, nrep, loads = self._cost(taken)
+        if self.scope == "layer":
+            pend, layer = self._pending[key], key
+            for j in taken:
+                pend[j.replica] -= 1
+                if not pend[j.replica]:
+                    del pend[j.replica]
+                if j.replica == DENSE:
+                    self._positions[layer] -= j.position + 1
+            self._update_layer(layer)
+        elif self.queue:
+            self.queued_s -= dur
+        else:
+            self.queued_s = 0.0  # no float drift
+        self.busy = True
+        self.free_at = now + dur
+        self.steps += 1
+        self.jobs_run += len(taken)
+        return Step(taken, now, dur, taken[0].layer, nrep, len(tokens), loads)
+
+    def _cost(self, jobs: list[Job]) -> tuple[float, int, int]:
+        """Stream seconds of a step; marks each job with the tier its replica ran from."""
+        svc, n = self.svc, self.n
+        counts: dict[int, int] = {}
+        for j in jobs:
+            counts[j.replica] = counts.get(j.replica, 0) + 1
+        dur, loads, tier = 0.0, 0, {}
+        for r, c in counts.items():
+            if r == DENSE:
+                continue
+            p = self.precision_of(r)
+            gpu = tier[r] = self.resident(r)
+            if self.on_execute is not None:
+                self.on_execute(r, not gpu)  # dynamic caches insert and evict here
+            if not gpu:
+                dur += svc.load_s(n, p)
+                loads += 1
+            dur += svc.expert_s(n, p, c)
+        attn = 0
+        per_request: dict[int, int] = {}
+        for j in jobs:
+            if j.replica == DENSE:
+                attn += j.position + 1
+                if j.position + 1 > per_request.get(j.request, 0):
+                    per_request[j.request] = j.position + 1
+            else:
+                j.gpu = tier[j.replica]
+        if DENSE in counts:  # a request's KV cache is read once per step
+            dur += svc.dense_s(n, counts[DENSE], attn, sum(per_request.values()))
+        return dur, len(tier), loads
+
+    def finish(self) -> None:
+        self.busy = False
+
+    def backlog(self, now: float) -> float:
+        """Queued work in stream seconds: what the server publishes each window."""
+        rem = self.free_at - now if self.busy else 0.0
+        return (rem if rem > 0 else 0.0) + self.queued_s

@@ -1,0 +1,210 @@
+"""The hardware model and the step rule the world runs (issue 12)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from hetroute.hardware import (CATALOGUE, Device, FfnShape, HardwareError, ffn_seconds, gpu_class,
+                               nearest_class)
+from hetroute.service import HardwareService, PaperService
+from hetroute.system import Precision
+from testbed.cli import app
+from testbed.steps import DENSE, Job, StepScheduler
+from topologies import TopologyError, load_topology, parse_topology
+from workloads import get_model
+
+MIXTRAL = get_model("mixtral").shape()
+A40 = Device.from_class(gpu_class("a40"))
+
+
+def test_catalogue_numbers_are_datasheet_shaped_and_cited():
+    for g in CATALOGUE.values():
+        assert g.fp16_tflops > 0 and g.mem_bw_gb_s > 0 and g.pcie_gb_s > 0 and g.mem_gb > 0
+        assert "datasheet" in g.source or "whitepaper" in g.source
+    assert gpu_class("A40").mem_bw_gb_s == 696 and gpu_class("h100-sxm").fp16_tflops == 989.4
+    assert gpu_class("v100").precisions == ("fp16",)  # no weight-only INT kernels before sm 7.5
+    assert nearest_class(70, 24).name == "rtx3090"
+
+
+def test_small_batches_are_memory_bound_and_flat_in_tokens():
+    ffn = MIXTRAL.expert_ffn
+    t1, t64, t4096 = (ffn_seconds(A40, ffn, b) for b in (1, 64, 4096))
+    weights = ffn.weight_bytes("fp16")
+    assert t1 == pytest.approx(3 * A40.launch_s + (weights + ffn.act_bytes(1)) / A40.mem_bw)
+    assert t64 < 1.1 * t1  # nearly flat: the weights dominate
+    assert t4096 == pytest.approx(3 * A40.launch_s + ffn.flops(4096) / A40.flops)  # compute-bound
+
+
+def test_int4_reads_a_quarter_of_fp16_bytes_and_pays_dequantisation():
+    ffn = MIXTRAL.expert_ffn
+    fp16, int4 = ffn.weight_bytes("fp16"), ffn.weight_bytes("int4")
+    assert int4 == pytest.approx(fp16 / 4, rel=0.04)  # plus one FP16 scale per 128 weights
+    assert int4 == MIXTRAL.expert_bytes[Precision.INT4]
+    t16, t4 = ffn_seconds(A40, ffn, 1, "fp16"), ffn_seconds(A40, ffn, 1, "int4")
+    assert 3.0 < t16 / t4 < 4.0
+    # compute-bound, the dequantisation is extra work on the CUDA cores
+    assert ffn_seconds(A40, ffn, 4096, "int4") > ffn_seconds(A40, ffn, 4096, "fp16")
+
+
+def _sched(svc, resident=lambda r: True, precisions=None):
+    prec = precisions or (lambda r: Precision.FP16)
+    return StepScheduler(svc, 0, prec, resident, scope="layer")
+
+
+def _hw_service(topology="small3"):
+    cl = load_topology(topology).to_cluster()
+    return HardwareService(cl, MIXTRAL), cl
+
+
+def test_a_step_costs_the_sum_of_its_replicas_batched_kernels_plus_the_dense_part():
+    svc, _ = _hw_service()
+    sc = _sched(svc)
+    for tok in range(5):  # five tokens: replica 0 gets all, replica 1 two of them
+        sc.submit(Job(3, 0, tok, tok, 0, 0.0))
+        if tok < 2:
+            sc.submit(Job(3, 1, tok, tok, 0, 0.0))
+    sc.submit(Job(3, DENSE, 9, 9, 4, 0.0))  # a sixth token's dense part, same layer
+    step = sc.take(0.0)
+    fp16 = Precision.FP16
+    expected = svc.expert_s(0, fp16, 5) + svc.expert_s(0, fp16, 2) + svc.dense_s(0, 1, 5, 5)
+    assert step.duration == pytest.approx(expected)
+    assert step.replicas == 2 and step.tokens == 6 and len(step.jobs) == 8
+    assert not sc.queue and sc.backlog(0.0) == pytest.approx(expected)  # the running step
+
+
+def test_a_replica_reads_its_weights_once_per_step_whatever_its_token_count():
+    svc, _ = _hw_service()
+    one, many = _sched(svc), _sched(svc)
+    one.submit(Job(0, 0, 0, 0, 0, 0.0))
+    for tok in range(32):
+        many.submit(Job(0, 0, tok, tok, 0, 0.0))
+    t1, t32 = one.take(0.0).duration, many.take(0.0).duration
+    assert t32 < 1.05 * t1  # 32 tokens cost about one weight read
+    # while 32 separate steps would read the weights 32 times
+    assert 32 * t1 > 25 * t32
+
+
+def test_the_dense_part_occupies_the_stream_and_decode_reads_the_kv_cache():
+    svc, _ = _hw_service()
+    sc = _sched(svc)
+    sc.submit(Job(0, DENSE, 0, 0, 0, 0.0))
+    assert sc.backlog(0.0) > 0
+    step = sc.take(0.0)
+    assert sc.busy and step.duration == pytest.approx(svc.dense_s(0, 1, 1, 1))
+    assert sc.backlog(0.0) == pytest.approx(step.duration)
+    # a decode token at position 4000 reads 4000 positions of KV cache
+    assert svc.dense_s(0, 1, 4000, 4000) > svc.dense_s(0, 1, 1, 1) + 4000 * MIXTRAL.kv_bytes_per_token \
+        / svc.devices[0].mem_bw * 0.99
+
+
+def test_a_cpu_resident_replica_pays_one_load_per_step_and_is_marked():
+    svc, cl = _hw_service()
+    sc = _sched(svc, resident=lambda r: r != 1)
+    for tok in range(3):
+        sc.submit(Job(0, 1, tok, tok, 0, 0.0))
+    step = sc.take(0.0)
+    fp16 = Precision.FP16
+    load = MIXTRAL.expert_bytes[fp16] / (cl.pcie[0] * 0.8)
+    assert step.duration == pytest.approx(load + svc.expert_s(0, fp16, 3))
+    assert step.loads == 1 and not any(j.gpu for j in step.jobs)
+
+
+def test_layers_are_served_oldest_request_first_and_batches_are_capped():
+    svc, _ = _hw_service()
+    sc = StepScheduler(svc, 0, lambda r: Precision.FP16, lambda r: True, scope="layer",
+                       max_batch_tokens=2)
+    sc.submit(Job(5, 0, "new", 1, 0, 0.0, prio=1.0))
+    for tok in ("a", "b", "c"):
+        sc.submit(Job(2, 0, tok, 0, 0, 0.0, prio=0.0))  # an older request, another layer
+    step = sc.take(0.0)
+    assert step.layer == 2 and step.tokens == 2  # the older request's layer, capped at 2
+    sc.finish()
+    assert sc.take(0.0).layer == 2  # its third token before the newer request
+    sc.finish()
+    assert sc.take(0.0).layer == 5
+
+
+def test_paper_physics_is_the_additive_world_of_eq_9():
+    cl = load_topology("small3").to_cluster()
+    svc = PaperService(cl, MIXTRAL)
+    assert svc.expert_s(1, Precision.INT4, 3) == pytest.approx(3 * MIXTRAL.expert_flops / cl.flops[1])
+    assert svc.load_s(1, Precision.FP16) == pytest.approx(MIXTRAL.expert_bytes[Precision.FP16] / cl.pcie[1])
+
+
+# -- input ---------------------------------------------------------------------------------
+BASE = {"name": "t", "servers": [{"name": "a", "gpu": "a40", "cpu_mem_gb": 64},
+                                 {"name": "b", "gpu_tflops": 50, "pcie_gb_s": 16, "gpu_mem_gb": 24,
+                                  "cpu_mem_gb": 64}],
+        "links": [{"src": "a", "dst": "b", "bandwidth_gbps": 1, "delay_ms": 1, "symmetric": True}]}
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda d: d["servers"][0].update(gpu="b200"), "servers[0]: gpu: unknown GPU class 'b200'"),
+    (lambda d: d["servers"][0].update(mem_bw_gb_s=0), "servers[0].mem_bw_gb_s"),
+    (lambda d: d["servers"][1].pop("gpu_tflops"), "servers[1]: gpu_tflops: required when no gpu"),
+    (lambda d: d["servers"][0].update(pcie_gb_s=-1), "servers[0].pcie_gb_s"),
+])
+def test_bad_hardware_input_gets_one_line_naming_the_field(mutate, expected):
+    d = yaml.safe_load(yaml.safe_dump(BASE))
+    mutate(d)
+    with pytest.raises(TopologyError) as err:
+        parse_topology(d, "t.yaml")
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_old_files_keep_loading_and_say_what_was_derived():
+    t = parse_topology(BASE, "t.yaml")
+    cl = t.to_cluster()
+    assert cl.gpu_class == ("a40", "custom")
+    assert cl.mem_bw[1] == nearest_class(50, 24).mem_bw_gb_s * 1e9
+    r = t.resolved().servers
+    assert "from class a40" in r[0].derived and "nearest class" in r[1].derived
+    assert r[1].mem_bw_gb_s == nearest_class(50, 24).mem_bw_gb_s
+
+
+def test_a_deployment_in_a_precision_the_gpu_lacks_is_refused():
+    from hetroute.deployment import ConstraintViolation, Deployment, Replica
+    d = yaml.safe_load(yaml.safe_dump(BASE))
+    d["servers"][0]["gpu"] = "v100"
+    cl = parse_topology(d, "t.yaml").to_cluster()
+    dep = Deployment((Replica(0, 0, Precision.INT4, True), Replica(0, 1, Precision.FP16, True)), 1, 2)
+    with pytest.raises(ConstraintViolation, match="v100.*no int4 kernels"):
+        dep.check(MIXTRAL, _big_budget(), cl)
+
+
+def _big_budget():
+    from hetroute.deployment import MemoryBudget
+    return MemoryBudget(gpu=(1e12, 1e12), cpu=(1e12, 1e12))
+
+
+def test_kernel_command_prints_one_line_per_token_count():
+    r = CliRunner().invoke(app, ["hardware", "kernel", "--gpu", "a40", "--d-model", "4096", "--d-ff",
+                                 "11008", "--gated", "--tokens", "1,8,64,512", "--precision", "fp16"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert [ln.split()[0] for ln in lines] == ["tokens=1", "tokens=8", "tokens=64", "tokens=512"]
+    ms = [float(ln.split("ms=")[1]) for ln in lines]
+    assert 0.3 < ms[0] < 0.7 and ms[0] <= ms[1] <= ms[2] < ms[3]  # ~0.49 ms measured on an A40
+    r = CliRunner().invoke(app, ["hardware", "kernel", "--gpu", "small3:hub", "--d-model", "4096",
+                                 "--d-ff", "11008", "--gated", "--tokens", "1"])
+    assert r.exit_code == 0 and r.output.strip() == lines[0]  # small3's hub is an A40
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--gpu", "b200"], "unknown GPU class 'b200'"),
+    (["--gpu", "v100", "--precision", "int4"], "precision int4 is not supported"),
+    (["--gpu", "a40", "--precision", "fp8"], "--precision: one of fp16, int8, int4"),
+    (["--gpu", "small3:nope"], "has no server 'nope'"),
+    (["--gpu", "a40", "--tokens", "0"], "--tokens"),
+    (["--gpu", "a40", "--d-model", "0"], "--d-model"),
+])
+def test_kernel_command_bad_input_is_one_line_and_exit_2(args, expected):
+    base = {"--d-model": "4096", "--d-ff": "11008"}
+    for k in list(base):
+        if k in args:
+            base.pop(k)
+    argv = ["hardware", "kernel", *args] + [x for kv in base.items() for x in kv]
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 2 and expected in r.output and r.output.count("\n") == 1, r.output
