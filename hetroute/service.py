@@ -80,15 +80,15 @@ class HardwareService(ServiceModel):
     def __init__(self, cluster: Cluster, shape: MoEShape) -> None:
         super().__init__(cluster, shape)
         self.devices: list[Device] = [cluster.device(n) for n in range(cluster.n)]
-        self._memo: dict[tuple[int, int, int], float] = {}
+        #: [server][precision] -> times by token count, filled on demand
+        self._memo: list[list[list[float]]] = [[[0.0] for _ in Precision] for _ in range(cluster.n)]
 
     def expert_s(self, server: int, precision: Precision, tokens: int = 1) -> float:
-        key = (server, int(precision), tokens)
-        t = self._memo.get(key)
-        if t is None:
-            t = self._memo[key] = ffn_seconds(self.devices[server], self.shape.expert_ffn,
-                                              tokens, Precision(precision).label)
-        return t
+        tab = self._memo[server][precision]
+        if tokens >= len(tab):
+            dev, ffn, label = self.devices[server], self.shape.expert_ffn, Precision(precision).label
+            tab.extend(ffn_seconds(dev, ffn, b, label) for b in range(len(tab), tokens + 1))
+        return tab[tokens]
 
     def dense_s(self, server: int, tokens: int = 1, attn_positions: int = 0,
                 kv_positions: int = 0) -> float:

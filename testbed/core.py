@@ -88,16 +88,22 @@ class TokenLayerCore:
             else:
                 lst.append(j)
         err = 0.0
-        bl = view.backlog
+        bl, adm, pend = view.backlog, view.admitted, view.pending
         for n in per_server:
             d = bl[n] - true_backlog(n)
             if (d if d > 0 else -d) > (err if err > 0 else -err):
                 err = d
         now = tok.now
-        for r in a.replicas:  # line 27 of Algorithm 2, in the decider's own belief
+        dyn, sg, ag, ac = self.dynamic, self.static_gpu, self.admit_gpu, self.admit_cpu
+        for r in a.replicas:  # line 27 of Algorithm 2 (StateView.admit), in the decider's belief
             n = rs[r]
-            view.admit(n, self.admit_gpu[r] if self.tier(decider, theta, r) else self.admit_cpu[r],
-                       r, now)
+            until = now + bl[n]
+            if until > pend.get(r, -1.0):
+                pend[r] = until
+            gpu = decider.gpu_resident(r) if dyn and n == theta else sg[r]
+            w = ag[r] if gpu else ac[r]
+            bl[n] += w
+            adm[n] += w
         return Routed(a, per_server, spent, tok.now - view.opened_at, err)
 
     def tier(self, decider: Router, theta: int, r: int) -> bool:
@@ -112,22 +118,18 @@ class TokenLayerCore:
                t_done: float, nbytes: int, participants: int) -> TokenLayerRecord:
         a = routed.assignment
         theta = tok.server
-        rs, et = self.rep_server, self.exec_table
-        servers = [rs[r] for r in a.replicas]
+        rs, et, reps = self.rep_server, self.exec_table, a.replicas
+        servers = [rs[r] for r in reps]
         types = [et[m][n == theta][g] for m, n, g in zip(a.modes, servers, gpus)]
         compute = compute_end - fan_out_end
         ce = compute_end if compute_end > fan_out_end else fan_out_end
+        re, rp = self.rep_expert, self.rep_prec
         return TokenLayerRecord(
-            request=tok.request, token=tok.index, layer=tok.layer, t_start=t_start, server=theta,
-            next_server=a.next_server, participants=participants,
-            fanout_s=fan_out_end - t_dispatch, compute_s=compute if compute > 0 else 0.0,
-            fanin_s=t_done - ce, total_s=t_done - t_start, bytes=nbytes, dq=a.dq,
-            est_delay_s=a.est_delay, view_age_s=routed.view_age_s,
-            backlog_err_s=routed.backlog_err_s, dense_s=t_decided - t_start,
-            decision_s=t_dispatch - t_decided, targets=a.targets,
-            exec_experts=[self.rep_expert[r] for r in a.replicas], replicas=a.replicas,
-            exec_servers=servers, precisions=[self.rep_prec[r] for r in a.replicas], gpus=gpus,
-            exec_types=types)
+            tok.request, tok.index, tok.layer, t_start, theta, a.next_server, participants,
+            fan_out_end - t_dispatch, compute if compute > 0 else 0.0, t_done - ce,
+            t_done - t_start, nbytes, a.dq, a.est_delay, routed.view_age_s, routed.backlog_err_s,
+            t_decided - t_start, t_dispatch - t_decided, a.targets, [re[r] for r in reps], reps,
+            servers, [rp[r] for r in reps], gpus, types)
 
     def realize(self, rec: TokenLayerRecord, acc: dict[str, float]) -> None:
         """Add a finished layer's realized cost components (eq. 21's feedback input)."""

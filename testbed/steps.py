@@ -29,12 +29,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable
 
 from hetroute.service import ServiceModel
 from hetroute.system import Precision
 
 DENSE = -1  # replica id of a dense-part job
+_BY_PRIO = attrgetter("prio", "seq")
 
 
 class Job:
@@ -93,32 +95,47 @@ class StepScheduler:
     # -- queueing ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
         self._seq += 1
-        job.seq = self._seq
-        key = job.replica if self.scope == "replica" else job.layer
+        job.seq = seq = self._seq
+        layer_scope = self.scope == "layer"
+        key = job.layer if layer_scope else job.replica
         group = self.queue.get(key)
         if group is None:
             self.queue[key] = [job]
         else:
             group.append(job)
-        if self.scope == "layer":
-            rank = (job.prio, job.seq)
+        if layer_scope:
             head = self._head.get(key)
-            if head is None or rank < head:
-                self._head[key] = rank
-        if self.scope == "replica":
+            if head is None or job.prio < head[0] or (job.prio == head[0] and seq < head[1]):
+                self._head[key] = (job.prio, seq)
+        else:
             r = job.replica
             p = self.precision_of(r)
             self.queued_s += self.svc.expert_s(self.n, p, 1) + (
                 0.0 if group is not None or self.resident(r) else self.svc.load_s(self.n, p))
             return
-        pend = self._pending.setdefault(job.layer, {})
-        pend[job.replica] = pend.get(job.replica, 0) + 1
-        if job.replica == DENSE:
-            self._positions[job.layer] = self._positions.get(job.layer, 0) + job.position + 1
-        self._update_layer(job.layer)
+        layer, r = job.layer, job.replica
+        pend = self._pending.get(layer)
+        if pend is None:
+            pend = self._pending[layer] = {}
+        c = pend.get(r, 0)
+        pend[r] = c + 1
+        svc, n = self.svc, self.n
+        if r == DENSE:  # what one more token adds to the layer's step (incremental estimate)
+            old = self._positions.get(layer, 0)
+            new = self._positions[layer] = old + job.position + 1
+            delta = svc.dense_s(n, c + 1, new, new) - (svc.dense_s(n, c, old, old) if c else 0.0)
+        else:
+            p = self.precision_of(r)
+            delta = svc.expert_s(n, p, c + 1)
+            if c:
+                delta -= svc.expert_s(n, p, c)
+            elif not self.resident(r):
+                delta += svc.load_s(n, p)
+        self._layer_cost[layer] = self._layer_cost.get(layer, 0.0) + delta
+        self.queued_s += delta
 
     def _update_layer(self, layer: int) -> None:
-        """Re-estimate one layer's queued work from its counts (layer scope)."""
+        """Re-estimate one layer's queued work from its counts (layer scope, after a step)."""
         old = self._layer_cost.get(layer, 0.0)
         pend = self._pending.get(layer)
         new = 0.0
@@ -168,7 +185,7 @@ class StepScheduler:
         key = self._next_key()
         group = self.queue[key]
         if self.scope == "layer":
-            group.sort(key=lambda j: (j.prio, j.seq))
+            group.sort(key=_BY_PRIO)
         limit = now if arrived_by is None else arrived_by
         taken, rest, tokens = [], [], set()
         for j in group:
