@@ -83,8 +83,22 @@ def lines(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str = "rou
             ax.legend(handles, [LABELS.get(lb, lb) for lb in labels], fontsize=7, loc=legend)
     else:
         sns.lineplot(data=df, x=x, y=metric, marker="o", errorbar=CI, seed=0, ax=ax)
+    mark_unstable(ax, df, metric, x, hue)
     ax.set(title=title, xlabel=x.split(".")[-1], ylabel="")
     _log_if_spread(ax, df[metric])
+
+
+def mark_unstable(ax, df: pd.DataFrame, metric: str, x: str, hue: str) -> None:
+    """A black cross on every point at which some seed's queues grew over the run
+    (``metrics.unstable``): its mean says how long the run lasted, not a steady state."""
+    if "unstable" not in df or not df["unstable"].fillna(False).astype(bool).any():
+        return
+    keys = [k for k in (hue, x) if k in df]
+    g = df.groupby(keys).agg(y=(metric, "mean"), bad=("unstable", lambda s: bool(s.fillna(False).any())))
+    g = g[g.bad].reset_index()
+    ax.scatter(g[x], g.y, marker="x", color="black", s=40, zorder=5, linewidths=1.2)
+    ax.text(0.01, 0.99, "x: unstable (queues grow)", transform=ax.transAxes, fontsize=6,
+            va="top", ha="left")
 
 
 def _log_if_spread(ax, values: pd.Series) -> None:

@@ -698,6 +698,10 @@ class Worker:
                 "release_late_max_ms": float(late.max() * 1e3),
                 "late_over_tolerance": int((late > RELEASE_LATE_REL * np.maximum(svc[:, 0] * self.T, 1e-4)).sum()),
                 "service_ratio_p50": float(np.median(rel)), "service_ratio_p99": float(np.percentile(rel, 99)),
+                "decisions": len(self.decision_cpu),
+                "decision_cpu_us_mean": float(np.mean(self.decision_cpu) * 1e6) if self.decision_cpu else 0.0,
+                "decision_cpu_us_p99": float(np.percentile(self.decision_cpu, 99) * 1e6)
+                if self.decision_cpu else 0.0,
                 "wire_errors": self.net.wire_errors, "bytes_sent": self.net.sent_bytes,
                 "delivery_late_mean_ms": self.net.late_deliveries / max(1, self.net.frames_in) * 1e3}
 
