@@ -57,7 +57,7 @@ report: $(STAMP)
 
 ## compare: every router on paper10 / Mixtral at the default load (sim)
 compare: $(STAMP)
-	$(PYTHON) -m testbed compare specs/compare.yaml
+	$(PYTHON) -m testbed compare specs/compare.yaml --set physics=$(PHYSICS) --out $(RESULTS)/compare-$(PHYSICS)
 
 quality-profile: $(STAMP)
 	$(PYTHON) -m workloads.proxy profile --all

@@ -61,6 +61,8 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
     info["placement_s"] = round(setup.placement_s, 3)
     info["placement"] = setup.router.placement_report
     info["deployment"] = setup.deployment.summary(setup.shape)
+    # every server's numbers, and which of them came from a catalogue class (README)
+    info["topology_resolved"] = setup.topology.resolved().model_dump(mode="json", exclude_none=True)
     info["quality_model"] = setup.quality.source
     writer = RecordWriter(out_dir, setup.shape.top_k)
     t1 = time.perf_counter()

@@ -143,3 +143,42 @@ def test_two_branches_fan_in_to_aggregator_and_records_are_complete():
     # the decode token starts after both prompt tokens finished
     first_decode = tl[tl.token == 2].t_start.min()
     assert first_decode >= tl[tl.token < 2].t_start.max()
+
+
+# -- the hardware world (issue 12) ----------------------------------------------------------
+def _hw_setup(requests, targets, dep, route, agg):
+    sh = F.shape(n_layers=1, experts=2, top_k=1, d_model=1000)
+    cl = _cluster()
+    spec = parse_spec({"window_s": 0.01, "sim": {"payload_efficiency": 1.0, "header_bytes": 0},
+                       "physics": "hardware", "engine": {"decision_s": 0.0}})
+    return FakeSetup(cl, sh, dep, Fixed(route, agg=agg), requests, targets, spec=spec), sh, cl
+
+
+def test_hardware_world_runs_a_request_in_steps_that_read_each_expert_once():
+    """Three prompt tokens of one request on expert 0 at server b: one dense step at home a
+    for all three, then one step at b whose expert reads its weights once for three tokens."""
+    from hetroute.service import HardwareService
+    dep = Deployment((Replica(0, 1, Precision.FP16, True), Replica(1, 1, Precision.FP16, True)), 2, 2)
+    setup, sh, cl = _hw_setup([Req(0, 0.0, prompt_tokens=3)], {0: [((0,),)] * 3}, dep, {0: 0}, agg=1)
+    st, tl, rq = _run(setup)
+    hw = HardwareService(cl, sh)
+    fp16 = Precision.FP16
+    dense = hw.dense_s(0, 3, 1 + 2 + 3, 3)  # positions 0..2 attend 1..3; the request's KV once
+    assert tl.dense_s.tolist() == pytest.approx([dense] * 3)  # released together: one step
+    # the sends to b are FIFO on the link (2 us each): the first token's step starts alone
+    # and the two that arrive during it share the next one, reading the weights once
+    assert st.batches == 3
+    one, two = hw.expert_s(1, fp16, 1), hw.expert_s(1, fp16, 2)
+    assert sorted(tl.compute_s) == pytest.approx([one, one + two - 4e-6, one + two - 2e-6])
+    assert two < 1.1 * one  # memory-bound: two tokens cost about one
+
+
+def test_paper_world_charges_per_token_and_dense_outside_the_stream():
+    dep = Deployment((Replica(0, 1, Precision.FP16, True), Replica(1, 1, Precision.FP16, True)), 2, 2)
+    setup, sh, cl = _hw_setup([Req(0, 0.0, prompt_tokens=3)], {0: [((0,),)] * 3}, dep, {0: 0}, agg=1)
+    setup.spec = setup.spec.with_overrides({"physics": "paper"})
+    st, tl, rq = _run(setup)
+    comp = sh.expert_flops / cl.flops[1]
+    assert tl.dense_s.tolist() == pytest.approx([sh.dense_flops / cl.flops[0]] * 3)  # a delay
+    # the first arrival runs alone, the other two (2 and 4 us later over the FIFO link) batch
+    assert sorted(tl.compute_s) == pytest.approx([comp, 3 * comp - 4e-6, 3 * comp - 2e-6])

@@ -61,6 +61,7 @@ class ModeledStream:
         self.free_at = 0.0  # model time the stream is free
         self.stats = StreamStats()
         self._wake: asyncio.TimerHandle | None = None
+        self._soon = False
 
     @property
     def busy(self) -> bool:
@@ -71,23 +72,34 @@ class ModeledStream:
         return self.sched.queue
 
     def submit(self, job: Job) -> None:
-        """``job.arrival`` in model seconds; ``job.owner`` a ``Work``."""
+        """``job.arrival`` in model seconds; ``job.owner`` a ``Work``. An idle stream starts
+        once the current callback has queued all it submits (tokens released together
+        batch together, as in the simulator)."""
         self.sched.submit(job)
-        if not self.sched.busy:
-            self._start()
+        if self.sched.scope == "replica":  # the paper's world starts at once, as before
+            if not self.sched.busy:
+                self._start()
+        elif not self.sched.busy and not self._soon:
+            self._soon = True
+            self.loop.call_soon(self._start)
 
     def _start(self) -> None:
+        self._soon = False
         sc = self.sched
         if sc.busy or not sc.queue:
             return
-        start = max(sc.earliest(), self.free_at)
+        earliest = sc.earliest()
+        start = max(earliest, self.free_at)
+        # back to back, a step starts at the modeled end of the last one and takes what had
+        # arrived by then; an idle stream starts now with what is here now
+        arrived_by = max(start, self.now()) if earliest >= self.free_at else start
         ready = sc.ready_at(start)
         if ready > start and ready > self.now():  # hold for more work (``hold_s``)
             if self._wake is None:
                 self._wake = self.loop.call_at(self.wall(ready), self._woken)
             return
         start = max(start, ready)
-        step = sc.take(start)
+        step = sc.take(start, arrived_by=max(arrived_by, start))
         groups: dict[int, list[Job]] = {}
         for j in step.jobs:
             if j.replica != DENSE:

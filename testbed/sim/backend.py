@@ -113,6 +113,7 @@ class SimBackend:
                                     on_execute=self.deciders[n].on_execute if self.dynamic else None)
                       for n in range(N)]
         self.wake_at = [-1.0] * N  # a pending hold wake-up per stream
+        self.kick_pending = [False] * N  # a step start queued at the current instant
         self.dense_delay = [core.world.dense_s(n, 1) for n in range(N)]  # paper physics only
         self.copy_free = [0.0] * N  # per-server PCIe copy engine for prefetches
         self.cpu_free = [0.0] * N  # per-server CPU that makes decisions
@@ -384,7 +385,19 @@ class SimBackend:
         self._kick(n)
 
     def _kick(self, n: int) -> None:
+        """Start n's next step once everything submitted at this instant is queued (a step
+        takes what is queued when it starts, so tokens released together batch together).
+        The paper's world starts at once, as the testbed did before the hardware model."""
+        if not self.hardware:
+            self._start_step(n)
+        elif not self.kick_pending[n] and not self.sched[n].busy:
+            self.kick_pending[n] = True
+            self.seq += 1
+            heapq.heappush(self.heap, (self.now, self.seq, self._start_step, n))
+
+    def _start_step(self, n: int) -> None:
         """Start the next step on n's stream if it is free and has work."""
+        self.kick_pending[n] = False
         sc = self.sched[n]
         if sc.busy or not sc.queue:
             return
@@ -402,7 +415,7 @@ class SimBackend:
 
     def _wake(self, n: int) -> None:
         self.wake_at[n] = -1.0
-        self._kick(n)
+        self._start_step(n)
 
     def _step_done(self, arg) -> None:
         n, jobs = arg
