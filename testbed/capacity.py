@@ -4,7 +4,7 @@
 simulator: doubling up from ``lo`` until the SLA share falls below the target,
 then bisecting (geometrically) between the last load that met it and the
 first that did not, to ``rel_tol``. Every probe is a complete run folder under
-``results/capacity/<spec>/<router>/rate=<r>/`` and is reused when its resolved
+``results/capacity/<spec>-<physics>/<router>/rate=<r>/`` and is reused when its resolved
 spec is unchanged, so a second search, or a killed one, costs only what is new.
 The SLA share counts failed requests as misses (``metrics.sla_ratio``).
 """
@@ -48,7 +48,7 @@ def find_capacity(spec: ExperimentSpec, router: str, results: Path = Path("resul
     if spec.backend != "sim":
         raise SpecError("capacity: searches on the simulator (backend: sim)")
     spec = spec.with_overrides({"router.name": router})
-    root = results / "capacity" / spec.name / router.replace(":", "_")
+    root = results / "capacity" / f"{spec.name}-{spec.physics}" / router.replace(":", "_")
     cache = results / ".placements"
     cap = Capacity(router, 0.0)
 

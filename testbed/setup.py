@@ -212,18 +212,21 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
     router.bind(deployment)
     notes: dict = {}
     decision_s = spec.engine.decision_s
-    if decision_s == "calibrated":
+    fresh = cached is not None and not cached.exists()
+    if decision_s == "calibrated" and spec.backend == "sim":  # the emulator measures each one
         # timed once per placement and machine, then reused: a rerun is reproducible
         if timed is None or timed.get("host") != platform.node():
             timed = {"host": platform.node(), "decision_s": calibrate_decision_s(router)}
+            fresh = cached is not None
         decision_s = timed["decision_s"]
         notes["decision_s_calibrated"] = decision_s
-    if cached is not None and (not cached.exists() or timed is not None):
+    if fresh:
         _save_placement(cached, deployment, router.placement_report, timed)
     return RunSetup(spec=spec, topology=topo, cluster=cluster, model=model, shape=shape,
                     quality=quality, users=users, requests=requests, trace=trace, problem=problem,
                     router=router, deployment=deployment, placement_s=time.perf_counter() - t0,
-                    notes=notes, decision_s=0.0 if decision_s == "measured" else float(decision_s))
+                    notes=notes,
+                    decision_s=float(decision_s) if isinstance(decision_s, (int, float)) else 0.0)
 
 
 def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path) -> Path:
@@ -262,7 +265,7 @@ def _save_placement(path: Path, dep: Deployment, report: dict, timed: dict | Non
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"replicas": [[r.expert, r.server, int(r.precision), bool(r.gpu)] for r in dep.replicas],
             "report": {k: v for k, v in report.items() if k != "cached"}, "decision": timed}
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes may save the same entry at once
     tmp.write_text(json.dumps(data, default=str))
     os.replace(tmp, path)
 

@@ -104,3 +104,25 @@ def test_rerun_into_a_folder_drops_what_an_earlier_attempt_left(tmp_path):
     assert not (out / "quality_inrun").exists()
     assert not any((out / n).exists() for n in ("quality_inrun.csv", "quality_replay.csv", "quality.json"))
     assert is_complete(out)
+
+
+def test_calibrated_decision_time_is_stored_once_with_the_placement(tmp_path):
+    """A decision's calibrated CPU time is timed once per placement and machine and stored
+    in the cache entry; loading it writes nothing (emulated workers load one entry at once),
+    and the emulator, which measures every decision, does not calibrate."""
+    import json
+    import os
+
+    from testbed.setup import build_setup
+    cache = tmp_path / "cache"
+    s1 = build_setup(parse_spec(TINY), placement_cache=cache)
+    (entry,) = cache.glob("*.json")
+    stored = json.loads(entry.read_text())["decision"]
+    assert stored["decision_s"] == s1.decision_s > 0 and s1.notes["decision_s_calibrated"] == s1.decision_s
+    before = os.stat(entry).st_mtime_ns
+    s2 = build_setup(parse_spec(TINY), placement_cache=cache)
+    assert s2.decision_s == s1.decision_s and os.stat(entry).st_mtime_ns == before
+    emu = build_setup(parse_spec({**TINY, "backend": "emu"}))
+    assert emu.decision_s == 0.0 and "decision_s_calibrated" not in emu.notes
+    fixed = build_setup(parse_spec(TINY).with_overrides({"engine.decision_s": 2e-5}))
+    assert fixed.decision_s == 2e-5
