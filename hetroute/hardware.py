@@ -36,9 +36,9 @@ profile a user has (the profiles are not in this repository).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Mapping
 import types
+from dataclasses import dataclass, field
+from typing import Mapping
 
 #: Share of datasheet memory bandwidth a streaming GEMM/GEMV achieves (see module doc).
 MEM_EFFICIENCY = 0.75
@@ -325,6 +325,3 @@ def ffn_seconds(dev: Device, ffn: FfnShape, tokens: int, precision: str = "fp16"
         return (ffn.matrices + 2) * dev.launch_s + up + down + ew / bw + dq / dev.alu
     return dev.kernel_s(ffn.flops(tokens), wbytes + ffn.act_bytes(tokens), dq, kernels=3)
 
-
-def with_rates(dev: Device, **changes) -> Device:
-    return replace(dev, **changes)

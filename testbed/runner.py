@@ -57,7 +57,16 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
         (out_dir / "spec.resolved.yaml").write_text(spec.to_yaml())
         write_json_atomic(out_dir / "run.json", info)
     t0 = time.perf_counter()
+    if placement_cache is None and out_dir is not None:
+        # beside the run: a rerun of the same spec reuses its placement and its calibrated
+        # decision time, so it reproduces its records exactly
+        placement_cache = out_dir.parent / ".placement-cache"
     setup = build_setup(spec, base_dir, placement_cache)
+    if "decision_s_calibrated" in setup.notes and out_dir is not None:
+        # the resolved config carries the number charged, so it reruns the same on any host
+        (out_dir / "spec.resolved.yaml").write_text(
+            spec.with_overrides({"engine.decision_s": setup.decision_s}).to_yaml())
+        info["decision_s_calibrated"] = setup.decision_s
     info["placement_s"] = round(setup.placement_s, 3)
     info["placement"] = setup.router.placement_report
     info["deployment"] = setup.deployment.summary(setup.shape)

@@ -99,7 +99,8 @@ class EngineSpec(_Model):
                           "oldest job for more to batch")
     decision_s: float | Literal["calibrated", "measured"] = Field(
         "calibrated", description="CPU seconds charged per routing decision in the simulator: "
-        "'calibrated' (the router's median on calibration tokens, timed at set-up), 'measured' "
+        "'calibrated' (the router's median on calibration tokens, timed at set-up; the run's "
+        "resolved spec holds the number), 'measured' "
         "(each decision's own CPU time; not bit-reproducible) or fixed seconds. The emulator "
         "always charges the measured time")
 

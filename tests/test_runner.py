@@ -11,7 +11,7 @@ import pytest
 
 from testbed.records import read_records
 from testbed.runner import is_complete, run_experiment
-from testbed.spec import parse_spec
+from testbed.spec import load_spec, parse_spec
 
 TINY = {"topology": "small3", "workload": {"model": "switch", "duration_s": 0.6, "warmup_s": 0.1,
                                            "rate_per_s": 20, "calibration_tokens": 64}}
@@ -47,6 +47,18 @@ def test_run_folder_carries_provenance_and_resolved_spec(tmp_path):
     tl, rq = read_records(tmp_path / "r")
     per_token = tl.groupby(["request", "token"]).layer.count()
     assert (per_token == 12).all()
+
+
+def test_resolved_spec_carries_the_calibrated_decision_time_and_reruns_the_same(tmp_path):
+    """The decision time is measured on this host; the resolved config keeps the number
+    charged, so running it again elsewhere (no shared cache) gives the same records."""
+    run_experiment(parse_spec(TINY), tmp_path / "r", progress=False)
+    info = json.loads((tmp_path / "r" / "run.json").read_text())
+    resolved = load_spec(tmp_path / "r" / "spec.resolved.yaml")
+    assert resolved.engine.decision_s == info["decision_s_calibrated"] > 0
+    run_experiment(resolved, tmp_path / "elsewhere" / "r2", progress=False)
+    pd.testing.assert_frame_equal(read_records(tmp_path / "r")[0],
+                                  read_records(tmp_path / "elsewhere" / "r2")[0])
 
 
 def _cli(*args, cwd=None):
