@@ -27,6 +27,13 @@ def _load(spec_path: str | None, overrides: list[str]) -> ExperimentSpec:
     return spec
 
 
+def _warn(spec: ExperimentSpec, base_dir: Path | None) -> None:
+    """Run the up-front checks (``setup.check_spec``); print its warnings, one line each."""
+    from .setup import check_spec
+    for w in check_spec(spec, base_dir).warnings:
+        typer.echo(f"warning: {w}", err=True)
+
+
 def _fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
@@ -43,6 +50,7 @@ def run(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     from .runner import run_experiment
     try:
         s = _load(spec, set_)
+        _warn(s, Path(spec).parent)
         res = run_experiment(s, out or Path("results/runs") / s.name, progress=not quiet,
                              base_dir=Path(spec).parent)
     except (SpecError, TopologyError) as err:
@@ -202,8 +210,12 @@ def routers() -> None:
 @app.command("show-spec")
 def show_spec(spec: str | None = typer.Argument(None, help="spec to resolve (default: all defaults)"),
               set_: list[str] = typer.Option([], "--set")) -> None:
-    """Print a spec with every default filled in."""
+    """Print a spec with every default filled in, after the checks a run makes first."""
+    from topologies import TopologyError
     try:
-        typer.echo(_load(spec, set_).to_yaml(), nl=False)
-    except SpecError as err:
+        s = _load(spec, set_)
+        _warn(s, Path(spec).parent if spec else None)
+    except (SpecError, TopologyError) as err:
         _fail(str(err))
+        return
+    typer.echo(s.to_yaml(), nl=False)

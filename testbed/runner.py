@@ -20,7 +20,7 @@ from tqdm import tqdm
 from .metrics import compute_metrics
 from .provenance import provenance, write_json_atomic
 from .records import RecordWriter, read_records
-from .setup import RunSetup, build_setup, resolve_inputs
+from .setup import RunSetup, build_setup, check_spec
 from .spec import ExperimentSpec
 
 
@@ -44,7 +44,9 @@ def is_complete(out_dir: Path) -> bool:
 def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: bool = True,
                    base_dir: Path | None = None, keep_setup: bool = False,
                    placement_cache: Path | None = None) -> RunResult:
-    spec = resolve_inputs(spec)
+    """Run one spec; writes ``out_dir`` (run.json says running, then complete, failed or
+    interrupted). Bad input raises ``SpecError`` before anything is written."""
+    spec = check_spec(spec, base_dir).spec  # one line for bad input, before any folder exists
     info = provenance(spec.seed, spec.backend)
     info["name"] = spec.name
     info["status"] = "running"
@@ -56,6 +58,18 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
             (out_dir / name).unlink(missing_ok=True)  # nothing of an earlier attempt is merged
         (out_dir / "spec.resolved.yaml").write_text(spec.to_yaml())
         write_json_atomic(out_dir / "run.json", info)
+    try:
+        return _execute(spec, out_dir, progress, base_dir, keep_setup, placement_cache, info)
+    except BaseException as err:
+        if out_dir is not None:  # never left saying "running"
+            info["status"] = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+            info["error"] = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+            write_json_atomic(out_dir / "run.json", info)
+        raise
+
+
+def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_dir: Path | None,
+             keep_setup: bool, placement_cache: Path | None, info: dict) -> RunResult:
     t0 = time.perf_counter()
     if placement_cache is None and out_dir is not None:
         # beside the run: a rerun of the same spec reuses its placement and its calibrated

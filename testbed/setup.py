@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from hetroute.deployment import ConstraintViolation, Deployment, MemoryBudget, R
 from hetroute.quality import QualityModel, prior_quality
 from hetroute.routers import Problem, Router, get_router
 from hetroute.system import Cluster, MoEShape, Precision
-from topologies import TopologySpec, generate, load_topology
+from topologies import TopologyError, TopologySpec, generate, load_topology
 from workloads import (JsonlTrace, ModelSpec, Request, RequestShape, SyntheticTrace, TraceSource,
                        Users, calibration_traffic, default_trace_params, generate_requests,
                        get_model)
@@ -143,16 +144,31 @@ def resolve_topology(spec: ExperimentSpec) -> TopologySpec:
     return load_topology(spec.topology)
 
 
-def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
-                placement_cache: Path | None = None) -> RunSetup:
-    """Build everything up to and including placement; raises SpecError on bad input.
+@dataclass(frozen=True)
+class CheckedSpec:
+    """What ``check_spec`` loaded on the way; ``build_setup`` goes on from it."""
 
-    With ``placement_cache``, a deployment computed before for the same inputs
-    (everything placement depends on, hashed) is reused instead of placed again.
-    """
-    spec = resolve_inputs(spec)
-    topo = resolve_topology(spec)
+    spec: ExperimentSpec  # with its symbolic inputs resolved (resolve_inputs)
+    topology: TopologySpec
+    cluster: Cluster
+    model: ModelSpec
+    router_cls: type[Router]
+    warnings: tuple[str, ...]
+
+
+def check_spec(spec: ExperimentSpec, base_dir: Path | None = None) -> CheckedSpec:
+    """Every check that needs no placement and no workload, in the order a reader
+    would fix them: inputs, topology, faults, model, router and its parameters,
+    input files, and whether the model can fit the cluster at all. Raises
+    ``SpecError`` (one line, naming the field); ``show-spec`` runs it too.
+    ``warnings`` lists numbers far outside real hardware."""
+    try:
+        spec = resolve_inputs(spec)
+        topo = resolve_topology(spec)
+    except TopologyError as err:
+        raise SpecError(f"topology: {err}") from None
     cluster = topo.to_cluster()
+    w = spec.workload
     for i, f in enumerate(spec.faults):
         for field_name in ("server", "peer"):
             name = getattr(f, field_name)
@@ -161,14 +177,75 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
                                 f"(topology has {', '.join(cluster.names)})")
         if f.server is None or (f.kind == "cut_link" and f.peer is None):
             raise SpecError(f"faults[{i}]: {f.kind} needs server" + (" and peer" if f.kind == "cut_link" else ""))
+        if f.kind == "cut_link" and f.peer == f.server:
+            raise SpecError(f"faults[{i}].peer: a link joins two different servers")
+        if f.at_s >= w.duration_s:
+            raise SpecError(f"faults[{i}].at_s: {f.at_s:g} s is not before the arrivals end "
+                            f"(workload.duration_s {w.duration_s:g} s)")
     try:
-        model = get_model(spec.workload.model)
+        model = get_model(w.model)
     except KeyError as err:
         raise SpecError(f"workload.model: {err.args[0]}") from None
-    if w_top_k := spec.workload.top_k:
-        if w_top_k > model.experts_per_layer:
-            raise SpecError(f"workload.top_k: {w_top_k} > {model.experts_per_layer} experts per layer")
-        model = dataclasses.replace(model, top_k=w_top_k)
+    if w.top_k:
+        if w.top_k > model.experts_per_layer:
+            raise SpecError(f"workload.top_k: {w.top_k} > {model.experts_per_layer} experts per layer")
+        model = dataclasses.replace(model, top_k=w.top_k)
+    try:
+        cls = get_router(spec.router.name)
+    except KeyError as err:
+        raise SpecError(f"router.name: {err.args[0]}") from None
+    try:
+        cls.Params.model_validate(spec.router.params)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(x) for x in e["loc"])
+        raise SpecError(f"router.params.{loc}: {e['msg']} ({spec.router.name})") from None
+    if w.trace == "synthetic":
+        try:
+            default_trace_params(model.name).with_overrides(w.trace_params)
+        except ValueError as err:
+            raise SpecError(f"workload.trace_params: {str(err).splitlines()[0]}") from None
+    elif w.trace_params:
+        raise SpecError("workload.trace_params: only for the synthetic trace")
+    for key, value in (("quality.profile", spec.quality.profile), ("workload.trace", w.trace)):
+        if value not in ("prior", "synthetic") and not _path(value, base_dir).is_file():
+            raise SpecError(f"{key}: no such file {value!r}")
+    _check_fit(model.shape(), cluster, spec)
+    return CheckedSpec(spec, topo, cluster, model, cls, tuple(topo.warnings()))
+
+
+def _check_fit(shape: MoEShape, cluster: Cluster, spec: ExperimentSpec) -> None:
+    """Every expert needs one replica somewhere: at its smallest format the model's
+    experts must fit the memory the shares give (GPU minus dense weights, plus CPU)."""
+    budget = MemoryBudget.of(cluster, shape, spec.memory.gpu_share, spec.memory.cpu_share)
+    have = sum(budget.gpu) + sum(budget.cpu)
+    small = min(shape.precisions, key=lambda p: shape.expert_bytes[p])
+    need = shape.n_experts * shape.expert_bytes[small]
+    if need > have:
+        raise SpecError(f"workload.model: {shape.name} does not fit this cluster: its experts need "
+                        f"{need / 1e9:.1f} GB even in {small.label}, the cluster offers "
+                        f"{have / 1e9:.1f} GB (memory.gpu_share of GPU memory less the dense "
+                        f"weights, plus memory.cpu_share of CPU memory)")
+
+
+def _router_failed(name: str, stage: str, err: BaseException) -> SpecError:
+    """A router's own code raised: one line with where, so its author can find it."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    msg = " ".join(str(err).split())[:200]
+    return SpecError(f"router.name: {name} failed in {stage}: {type(err).__name__}: {msg}{where}")
+
+
+def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
+                placement_cache: Path | None = None) -> RunSetup:
+    """Build everything up to and including placement; raises SpecError on bad input.
+
+    With ``placement_cache``, a deployment computed before for the same inputs
+    (everything placement depends on, hashed) is reused instead of placed again.
+    """
+    checked = check_spec(spec, base_dir)
+    spec, topo, cluster, model, cls = (checked.spec, checked.topology, checked.cluster,
+                                       checked.model, checked.router_cls)
     shape = model.shape()
     if spec.quality.profile == "prior":
         quality = prior_quality(shape, seed=spec.seed)
@@ -187,15 +264,9 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
                       lam_max=spec.quality.budget, calibration=calib, seed=spec.seed,
                       window_s=spec.window_s)
     try:
-        cls = get_router(spec.router.name)
-    except KeyError as err:
-        raise SpecError(f"router.name: {err.args[0]}") from None
-    try:
         router = cls(problem, spec.router.params)
-    except ValidationError as err:
-        e = err.errors()[0]
-        loc = ".".join(str(x) for x in e["loc"])
-        raise SpecError(f"router.params.{loc}: {e['msg']} ({spec.router.name})") from None
+    except Exception as err:  # noqa: BLE001 - a router's own code: reported, not trusted
+        raise _router_failed(spec.router.name, "__init__", err) from None
     t0 = time.perf_counter()
     cached = _cache_file(spec, topo, placement_cache) if placement_cache and cls.cacheable_placement \
         else None
@@ -204,12 +275,18 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
         deployment, router.placement_report, timed = _load_placement(cached, shape, cluster.n)
         router.placement_report = {**router.placement_report, "cached": True}
     else:
-        deployment = router.place()
+        try:
+            deployment = router.place()
+        except Exception as err:  # noqa: BLE001
+            raise _router_failed(spec.router.name, "place()", err) from None
     try:
         deployment.check(shape, budget, cluster)
     except ConstraintViolation as err:
         raise SpecError(f"router.name: {spec.router.name} placed an invalid deployment: {err}") from None
-    router.bind(deployment)
+    try:
+        router.bind(deployment)
+    except Exception as err:  # noqa: BLE001
+        raise _router_failed(spec.router.name, "bind()", err) from None
     notes: dict = {}
     decision_s = spec.engine.decision_s
     fresh = cached is not None and not cached.exists()

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
-from topologies.schema import one_line
+from topologies.schema import InputFileError, one_line, read_yaml
 
 from .runner import is_complete, run_experiment
 from .setup import resolve_inputs
@@ -85,9 +84,9 @@ class Point:
 
 def load_figure(path: Path) -> FigureSpec:
     try:
-        return FigureSpec.model_validate(yaml.safe_load(Path(path).read_text()))
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such figure spec") from None
+        return FigureSpec.model_validate(read_yaml(path, "figure spec"))
+    except InputFileError as err:
+        raise SpecError(str(err)) from None
     except ValidationError as err:
         raise SpecError(one_line(err, Path(path).name)) from None
 

@@ -29,27 +29,81 @@ class TopologyError(ValueError):
     """A topology file that does not load; the message is one line."""
 
 
+_UNION_TAGS = {"float", "int", "str", "bool", "dict", "list", "GeneratedTopology"}
+
+
 def one_line(err: ValidationError, source: str) -> str:
     """First pydantic error as ``source: a.b[2].c: message``."""
-    e = err.errors()[0]
+    errors = err.errors()
+    e = max(errors, key=lambda x: len(x["loc"]))  # in a union, the member that got furthest
     loc = ""
     for part in e["loc"]:
+        if isinstance(part, str) and (part in _UNION_TAGS or "-" in part or "[" in part):
+            continue  # the member of a union that failed ('constrained-float'), not a field
         loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
     msg = e["msg"].removeprefix("Value error, ")
     return f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _no_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (line {key_node.start_mark.line + 1})",
+                key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+
+
+class InputFileError(ValueError):
+    """An input file that cannot be read as YAML; the message is one line."""
+
+
+def read_yaml(path: str | Path, what: str = "file") -> object:
+    """A YAML input file as data: missing, binary and non-UTF-8 files, bad YAML and
+    duplicate keys all raise ``InputFileError`` with one line naming the file."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise InputFileError(f"{path}: no such {what}") from None
+    except IsADirectoryError:
+        raise InputFileError(f"{path}: is a directory, not a {what}") from None
+    except OSError as err:
+        raise InputFileError(f"{path}: cannot read ({err.strerror})") from None
+    try:
+        if b"\0" in raw:
+            raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputFileError(f"{path}: not a text file (byte {err.start}: {err.reason})") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        first = " ".join(str(err).split())
+        raise InputFileError(f"{path}: not valid YAML ({first[:160]})") from None
 
 
 class ServerSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(min_length=1)
     gpu: str | None = Field(None, description="GPU class of the catalogue (hetroute.hardware)")
-    gpu_tflops: float | None = Field(None, gt=0, le=10_000,
+    gpu_tflops: float | None = Field(None, ge=1e-3, le=10_000,
                                      description="F_n, dense FP16 tensor TFLOPS (default: the class's)")
-    pcie_gb_s: float | None = Field(None, gt=0, le=1_000,
+    pcie_gb_s: float | None = Field(None, ge=1e-3, le=1_000,
                                     description="beta_n, GPU-CPU GB/s per direction (default: the class's)")
-    gpu_mem_gb: float | None = Field(None, gt=0, le=10_000, description="G_n, GPU memory GB")
-    mem_bw_gb_s: float | None = Field(None, gt=0, le=100_000, description="peak GPU memory GB/s")
-    cpu_mem_gb: float = Field(gt=0, description="C_n, CPU memory (GB)")
+    gpu_mem_gb: float | None = Field(None, ge=1e-3, le=10_000, description="G_n, GPU memory GB")
+    mem_bw_gb_s: float | None = Field(None, ge=1e-3, le=100_000, description="peak GPU memory GB/s")
+    cpu_mem_gb: float = Field(ge=1e-3, le=100_000, description="C_n, CPU memory (GB)")
     derived: str | None = Field(None, description="written by resolved(): fields taken from a class")
 
     @model_validator(mode="after")
@@ -134,6 +188,29 @@ class TopologySpec(BaseModel):
                 return ln
         raise KeyError((src, dst))
 
+    def warnings(self) -> list[str]:
+        """Numbers that load but lie far (10x) outside every GPU of the catalogue or any
+        real WAN link: most likely a unit slip (MB for GB, s for ms); one line each."""
+        out = []
+        for i, s in enumerate(self.servers):
+            r = s.resolved()
+            for f, attr in (("gpu_tflops", "fp16_tflops"), ("mem_bw_gb_s", "mem_bw_gb_s"),
+                            ("pcie_gb_s", "pcie_gb_s"), ("gpu_mem_gb", "mem_gb")):
+                vals = [getattr(c, attr) for c in CATALOGUE.values()]
+                lo, hi = min(vals), max(vals)
+                v = getattr(r, f)
+                if v is not None and not lo / 10 <= v <= hi * 10:
+                    out.append(f"servers[{i}].{f}: {v:g} is far outside real GPUs "
+                               f"({lo:g}-{hi:g} in the catalogue)")
+        for i, ln in enumerate(self.links):
+            if ln.bandwidth_gbps < 0.01:
+                out.append(f"links[{i}].bandwidth_gbps: {ln.bandwidth_gbps:g} Gbit/s is below "
+                           f"10 Mbit/s (the paper's links are 0.8-10)")
+            if ln.delay_ms > 1_000:
+                out.append(f"links[{i}].delay_ms: {ln.delay_ms:g} ms one way is over a second "
+                           f"(the paper's are 0.3-22 ms)")
+        return out
+
     def resolved(self) -> "TopologySpec":
         """This topology with every server's numbers filled in (written next to results)."""
         return self.model_copy(update={"servers": [s.resolved() for s in self.servers]})
@@ -196,9 +273,7 @@ def load_topology(path: str | Path) -> TopologySpec:
     if not p.exists() and p.suffix == "" and (Path(__file__).parent / f"{p.name}.yaml").exists():
         p = Path(__file__).parent / f"{p.name}.yaml"
     try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise TopologyError(f"{path}: no such topology file") from None
-    except yaml.YAMLError as err:
-        raise TopologyError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        data = read_yaml(p, "topology file")
+    except InputFileError as err:
+        raise TopologyError(str(err).replace(str(p), str(path), 1)) from None
     return parse_topology(data, p.name)

@@ -23,7 +23,11 @@ def _discover() -> dict[str, type[Router]]:
     for info in pkgutil.iter_modules(__path__):
         if info.name.startswith("_") or info.name == "base":
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        try:
+            module = importlib.import_module(f"{__name__}.{info.name}")
+        except Exception as err:  # noqa: BLE001 - one broken router file is named, not a traceback
+            raise KeyError(f"router module {__name__}.{info.name} failed to import: "
+                           f"{type(err).__name__}: {err}") from None
         for obj in vars(module).values():
             if (isinstance(obj, type) and issubclass(obj, Router) and obj.__module__ == module.__name__
                     and "name" in obj.__dict__):
@@ -45,8 +49,8 @@ def get_router(name: str) -> type[Router]:
         mod_name, _, cls_name = name.partition(":")
         try:
             obj = getattr(importlib.import_module(mod_name), cls_name)
-        except (ImportError, AttributeError) as err:
-            raise KeyError(f"cannot load router {name!r}: {err}") from None
+        except Exception as err:  # noqa: BLE001 - the module's own import-time code included
+            raise KeyError(f"cannot load router {name!r}: {type(err).__name__}: {err}") from None
         if not (isinstance(obj, type) and issubclass(obj, Router)):
             raise KeyError(f"{name!r} is not a hetroute.routers.Router subclass")
         return obj
