@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .runner import is_complete, run_experiment
+from .runner import is_done, run_experiment
 from .spec import ExperimentSpec
 
 TOL = {"emu/sim": (0.10, 0.15), "2T/T": (0.05, 0.10)}
@@ -32,8 +32,7 @@ class Comparison:
 
 
 def _run(spec: ExperimentSpec, out: Path) -> tuple[dict, float | None]:
-    f = out / "spec.resolved.yaml"
-    if not (is_complete(out) and f.exists() and f.read_text() == spec.to_yaml()):
+    if not is_done(out, spec):
         run_experiment(spec, out, progress=True)
     m = json.loads((out / "metrics.json").read_text())
     info = json.loads((out / "run.json").read_text())

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .runner import is_complete, run_experiment
+from .runner import is_done, run_experiment
 from .setup import resolve_inputs
 from .spec import ExperimentSpec, SpecError
 
@@ -33,8 +33,7 @@ def _probe(spec: ExperimentSpec, rate: float, root: Path, cache: Path) -> dict:
     s = resolve_inputs(spec.with_overrides({"workload.rate_per_s": rate,
                                             "name": f"{spec.name}-rate{rate:g}"}))
     out = root / f"rate={rate:.4g}"
-    f = out / "spec.resolved.yaml"
-    if is_complete(out) and f.exists() and f.read_text() == s.to_yaml():
+    if is_done(out, s):
         import json
         return json.loads((out / "metrics.json").read_text())
     return run_experiment(s, out, progress=False, placement_cache=cache).metrics

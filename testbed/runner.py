@@ -41,6 +41,23 @@ def is_complete(out_dir: Path) -> bool:
         return False
 
 
+def is_done(out_dir: Path, spec: ExperimentSpec) -> bool:
+    """A complete run of exactly this spec is in ``out_dir`` (what sweeps, capacity
+    searches and agreement checks skip). A spec asking for ``decision_s: calibrated``
+    matches the run that resolved it to the number it charged."""
+    f = out_dir / "spec.resolved.yaml"
+    if not (is_complete(out_dir) and f.exists()):
+        return False
+    on_disk = f.read_text()
+    if on_disk == spec.to_yaml():
+        return True
+    if spec.engine.decision_s != "calibrated":
+        return False
+    charged = json.loads((out_dir / "run.json").read_text()).get("decision_s_calibrated")
+    return charged is not None and \
+        on_disk == spec.with_overrides({"engine.decision_s": charged}).to_yaml()
+
+
 def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: bool = True,
                    base_dir: Path | None = None, keep_setup: bool = False,
                    placement_cache: Path | None = None) -> RunResult:

@@ -277,6 +277,9 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
     else:
         try:
             deployment = router.place()
+        except ConstraintViolation as err:  # the router's own verdict that it does not fit
+            raise SpecError(f"router.name: {spec.router.name} cannot place this model here: "
+                            f"{err}") from None
         except Exception as err:  # noqa: BLE001
             raise _router_failed(spec.router.name, "place()", err) from None
     try:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from topologies.schema import InputFileError, one_line, read_yaml
 
-from .runner import is_complete, run_experiment
+from .runner import is_done, run_experiment
 from .setup import resolve_inputs
 from .spec import ExperimentSpec, SpecError, parse_spec
 
@@ -148,8 +148,7 @@ def expand(fig: FigureSpec, backend: str, scale: Scale, results: Path,
 
 def done(p: Point) -> bool:
     """A complete run of exactly this resolved spec exists."""
-    f = p.out_dir / "spec.resolved.yaml"
-    return is_complete(p.out_dir) and f.exists() and f.read_text() == p.spec.to_yaml()
+    return is_done(p.out_dir, p.spec)
 
 
 def estimate_s(p: Point) -> float:

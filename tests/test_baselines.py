@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hetroute.deployment import ConstraintViolation, Deployment, MemoryBudget, Replica
+from hetroute.deployment import Deployment, MemoryBudget, Replica
 from hetroute.placement.calibration import CalibrationTraffic
 from hetroute.quality import prior_quality
 from hetroute.routers import Problem, get_router
@@ -26,6 +26,7 @@ from hetroute.state import StateView, TokenView
 from hetroute.system import FULL_PRECISION, Cluster, Precision
 from testbed.records import RecordWriter, flat
 from testbed.setup import build_setup
+from testbed.spec import SpecError
 from testbed.sim.backend import SimBackend
 
 from . import factories as F
@@ -91,7 +92,7 @@ def test_moe_infinity_prefetching_cuts_cpu_offload():
 def test_moe_infinity_rejects_a_server_whose_cpu_cannot_hold_the_model():
     spec = spec_for("moe-infinity", "small3", "mixtral-8x7b").with_overrides(
         {"memory.cpu_share": 0.1})
-    with pytest.raises(ConstraintViolation, match="server edge"):
+    with pytest.raises(SpecError, match="moe-infinity cannot place this model here: .*server edge"):
         build_setup(spec)
 
 
