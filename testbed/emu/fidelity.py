@@ -74,6 +74,10 @@ def _counters(net: EmulatedNetwork, host: int, intf: str) -> tuple[dict, float]:
     return cls, (t1 + time.monotonic()) / 2
 
 
+class ProbeError(RuntimeError):
+    """A bandwidth probe failed; its message is the probe's own last word."""
+
+
 def measure_bandwidth(net: EmulatedNetwork, m: int, n: int, seconds: float) -> tuple[float, int, float]:
     """(link-layer bit/s over a steady window, drops, CPU % over the window) of m -> n.
 
@@ -83,11 +87,20 @@ def measure_bandwidth(net: EmulatedNetwork, m: int, n: int, seconds: float) -> t
     end = net.ends[(m, n)]
     window = max(seconds, 4e6 * 8 / end.rate_bit)
     warm = min(0.3, window / 3)
-    rx = net.popen(n, _py("probe", "recv", "--port", str(PORT)), stdout=subprocess.PIPE, text=True)
-    rx.stdout.readline()
+    rx = net.popen(n, _py("probe", "recv", "--port", str(PORT)), stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True)
+    tx = None
+    if not rx.stdout.readline():  # the receiver died before listening
+        rx.wait()
+        raise ProbeError(_why(ValueError(), rx.stderr.read(), rx.returncode))
     tx = net.popen(m, _py("probe", "send", "--addr", net.addr(m, n), "--port", str(PORT),
-                          "--seconds", str(warm + window + 0.3)), stdout=subprocess.PIPE, text=True)
-    tx.stdout.readline()  # connected: the transfer starts now
+                          "--seconds", str(warm + window + 0.3)), stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True)
+    if not tx.stdout.readline():  # connected: the transfer starts now (or it never will)
+        tx.wait()
+        rx.kill()
+        rx.wait()
+        raise ProbeError(_why(ValueError(), tx.stderr.read(), tx.returncode))
     time.sleep(warm)
     psutil.cpu_percent(None)
     c1, t1 = _counters(net, m, end.intf)
@@ -102,7 +115,7 @@ def measure_bandwidth(net: EmulatedNetwork, m: int, n: int, seconds: float) -> t
 
 
 def measure_rtts(net: EmulatedNetwork, pairs: list[tuple[int, int]], count: int,
-                 parallel: int = 5) -> dict[tuple[int, int], list[float]]:
+                 parallel: int = 5) -> dict[tuple[int, int], "list[float] | ProbeFailed"]:
     """RTT samples per pair; up to ``parallel`` pairs at once, each on its own port
     (the probes sleep while their frames are held, so they barely load the CPU)."""
     delays = net.transport_delays()
@@ -119,15 +132,42 @@ def measure_rtts(net: EmulatedNetwork, pairs: list[tuple[int, int]], count: int,
             ping = net.popen(i, _py("probe", "ping", "--rank", str(i), "--peer", str(j), "--addr",
                                     net.addr(i, j), "--port", port, "--delay", repr(delays[j][i]),
                                     "--servers", str(N), "--count", str(count)),
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             running.append(((i, j), pong, ping))
         for pair, pong, ping in running:
-            res, _ = ping.communicate(timeout=600)
-            pong.stdin.write("\n")
-            pong.stdin.flush()
-            pong.wait(timeout=10)
-            out[pair] = json.loads(res.strip().splitlines()[-1])
+            try:
+                res, err = ping.communicate(timeout=600)
+                out[pair] = json.loads(res.strip().splitlines()[-1])
+            except (subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+                ping.kill()
+                res, err = ping.communicate()
+                out[pair] = ProbeFailed(_why(exc, err, ping.returncode))
+            finally:
+                _stop(pong)
     return out
+
+
+class ProbeFailed(str):
+    """What a probe that printed no result said (its stderr's last line): a failed check."""
+
+
+def _why(exc: BaseException, stderr: str | None, rc: int | None) -> str:
+    last = [ln for ln in (stderr or "").strip().splitlines() if ln.strip()]
+    said = last[-1].strip()[:200] if last else "no stderr"
+    kind = "timed out" if isinstance(exc, subprocess.TimeoutExpired) else "printed no result"
+    return f"probe {kind} (exit {rc}): {said}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a helper probe whatever state it is in."""
+    try:
+        if proc.stdin is not None:
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        proc.wait(timeout=10)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
 
 
 def measure_service(cluster: Cluster, shape: MoEShape, server: int, T: float, jobs: int = 100,
@@ -186,9 +226,14 @@ def run_fidelity(cluster: Cluster, shape: MoEShape, T: float, mechanism: str = "
         info["delays_s"] = {f"{m}->{n}": net.ends[(m, n)].delay_s for m, n in links}
         info["cgroups"] = {cluster.names[i]: cgroup_quota(f"htr{i}") for i in range(N)}
         for (m, n) in links:
-            rate, drops, load = measure_bandwidth(net, m, n, seconds)
-            cpu.append(load)
             target = net.ends[(m, n)].rate_bit
+            try:
+                rate, drops, load = measure_bandwidth(net, m, n, seconds)
+            except ProbeError as err:  # a failed check, not a crash (issue 14)
+                rows.append(Row("bandwidth", f"{cluster.names[m]}->{cluster.names[n]}",
+                                target / 1e6, float("nan"), False, str(err)))
+                continue
+            cpu.append(load)
             ratio = rate / target
             rows.append(Row("bandwidth", f"{cluster.names[m]}->{cluster.names[n]}", target / 1e6,
                             rate / 1e6, BW_TOL[0] <= ratio <= BW_TOL[1] and drops == 0,
@@ -199,6 +244,10 @@ def run_fidelity(cluster: Cluster, shape: MoEShape, T: float, mechanism: str = "
             rtts = all_rtts[(i, j)]
             ser = sum(HEADER_SIZE * 8 / net.ends[e].rate_bit for e in ((i, j), (j, i)))
             target = (net.ends[(i, j)].delay_s + net.ends[(j, i)].delay_s + ser) / T  # emulated
+            if isinstance(rtts, ProbeFailed) or not rtts:
+                rows.append(Row("rtt", f"{cluster.names[i]}<->{cluster.names[j]}", target * 1e3,
+                                float("nan"), False, str(rtts) or "probe returned no samples"))
+                continue
             med = statistics.median(rtts) / T
             tol = max(RTT_ABS, RTT_REL * target)
             rows.append(Row("rtt", f"{cluster.names[i]}<->{cluster.names[j]}", target * 1e3, med * 1e3,

@@ -1,0 +1,41 @@
+"""The fidelity command never crashes on a failed probe: it becomes a failed check with
+what the probe said (issue 14). Runs without root: a stand-in network runs the probes as
+local processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from testbed.emu import fidelity
+
+
+class _FakeNet:
+    """Just what measure_rtts uses: pong waits for its newline, ping fails or answers."""
+
+    def __init__(self, ping_code: str):
+        self.cluster = SimpleNamespace(n=2)
+        self.ping_code = ping_code
+
+    def transport_delays(self):
+        return [[0.0, 0.0], [0.0, 0.0]]
+
+    def addr(self, i, j):
+        return "127.0.0.1"
+
+    def popen(self, i, args, **kw):
+        code = "import sys; sys.stdin.readline()" if "pong" in args else self.ping_code
+        return subprocess.Popen([sys.executable, "-c", code], **kw)
+
+
+def test_a_probe_that_dies_is_a_failed_check_with_its_stderr():
+    net = _FakeNet("import sys; sys.stderr.write('Traceback...\\nOSError: no route to host\\n'); sys.exit(3)")
+    out = fidelity.measure_rtts(net, [(0, 1)], count=3)
+    assert isinstance(out[(0, 1)], fidelity.ProbeFailed)
+    assert "exit 3" in out[(0, 1)] and "OSError: no route to host" in out[(0, 1)]
+
+
+def test_a_probe_that_answers_is_read():
+    out = fidelity.measure_rtts(_FakeNet("print('[0.001, 0.002]')"), [(0, 1)], count=2)
+    assert out[(0, 1)] == [0.001, 0.002]
