@@ -207,6 +207,28 @@ def routers() -> None:
         typer.echo(f"{name:24s} {doc[0] if doc else ''}")
 
 
+@app.command("check-router")
+def check_router_cmd(
+        router: str = typer.Argument(..., help="a registered name or package.module:Class"),
+        topology: list[str] = typer.Option([], help="topologies to check on (default small3, paper10)"),
+        model: list[str] = typer.Option([], help="models to check with (default Switch, Qwen, Mixtral)")
+) -> None:
+    """Check a router against the contract (testbed/conformance.py); exit 1 on a failure."""
+    from hetroute.routers import get_router
+
+    from .conformance import MODELS, TOPOLOGIES, check_router
+    try:
+        get_router(router)
+    except KeyError as err:
+        _fail(f"router: {err.args[0]}")
+        return
+    report = check_router(router, tuple(topology) or TOPOLOGIES, tuple(model) or MODELS,
+                          log=lambda m: typer.echo(m, err=True))
+    typer.echo(report.format())
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 @app.command("show-spec")
 def show_spec(spec: str | None = typer.Argument(None, help="spec to resolve (default: all defaults)"),
               set_: list[str] = typer.Option([], "--set")) -> None:

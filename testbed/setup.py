@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -268,8 +269,8 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
     except Exception as err:  # noqa: BLE001 - a router's own code: reported, not trusted
         raise _router_failed(spec.router.name, "__init__", err) from None
     t0 = time.perf_counter()
-    cached = _cache_file(spec, topo, placement_cache) if placement_cache and cls.cacheable_placement \
-        else None
+    cached = _cache_file(spec, topo, placement_cache, cls) \
+        if placement_cache and cls.cacheable_placement else None
     timed = None
     if cached is not None and cached.exists():
         deployment, router.placement_report, timed = _load_placement(cached, shape, cluster.n)
@@ -309,9 +310,10 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
                     decision_s=float(decision_s) if isinstance(decision_s, (int, float)) else 0.0)
 
 
-def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path) -> Path:
-    """Placement depends on the topology, model, quality, memory, router, seed,
-    window and the calibration-side workload fields, not on load or duration."""
+def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path, cls: type[Router]) -> Path:
+    """Placement depends on the topology, model, quality, memory, router (its spec and
+    the source of every module its class comes from, so an out-of-tree router's edit is
+    seen), seed, window and the calibration-side workload fields, not on load or duration."""
     w = spec.workload
     key = {
         "topology": topo.model_dump(mode="json"), "model": w.model, "top_k": w.top_k,
@@ -320,6 +322,7 @@ def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path) -> Path:
         "calib": [w.trace, w.trace_params, w.calibration_tokens, w.users, w.zipf_s, w.prompt_tokens],
         "inputs": [_digest(p) for p in (spec.quality.profile, w.trace) if Path(p).is_file()],
         "code": _code_version(),
+        "router_code": _router_code(cls),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return root / f"{spec.router.name.replace(':', '_')}-{digest}.json"
@@ -327,6 +330,20 @@ def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path) -> Path:
 
 def _digest(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def _router_code(cls: type[Router]) -> str:
+    """Hash of the source files of the router class and its bases outside this repository's
+    hashed packages (an out-of-tree router and whatever it subclasses)."""
+    h = hashlib.sha256()
+    for klass in cls.__mro__:
+        try:
+            src = inspect.getsourcefile(klass)
+        except TypeError:  # builtins
+            continue
+        if src and Path(src).is_file():
+            h.update(Path(src).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _code_version() -> str:

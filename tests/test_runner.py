@@ -11,6 +11,7 @@ import pytest
 
 from testbed.records import read_records
 from testbed.runner import is_complete, run_experiment
+from testbed.setup import build_setup
 from testbed.spec import load_spec, parse_spec
 
 TINY = {"topology": "small3", "workload": {"model": "switch", "duration_s": 0.6, "warmup_s": 0.1,
@@ -103,6 +104,20 @@ def test_placement_cache_reuses_the_same_deployment(tmp_path):
     # anything placement depends on makes a new entry
     run_experiment(spec.with_overrides({"router.params.memory_ratio": 1.5}), tmp_path / "c",
                    progress=False, placement_cache=cache)
+    assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_editing_an_out_of_tree_router_invalidates_its_cached_placement(tmp_path, monkeypatch):
+    mod = tmp_path / "myrouter_cache_probe.py"
+    mod.write_text("from examples.nearest_replica import NearestReplica\n\n"
+                   "class Mine(NearestReplica):\n    name = 'mine'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = parse_spec({**TINY, "router": {"name": "myrouter_cache_probe:Mine"}})
+    cache = tmp_path / "cache"
+    build_setup(spec, placement_cache=cache)
+    assert build_setup(spec, placement_cache=cache).router.placement_report.get("cached") is True
+    mod.write_text(mod.read_text() + "    # place() edited\n")
+    assert "cached" not in build_setup(spec, placement_cache=cache).router.placement_report
     assert len(list(cache.glob("*.json"))) == 2
 
 

@@ -3,7 +3,8 @@
 Adding a router means adding one module here that defines a ``Router``
 subclass with a ``name``; nothing else changes. Discovery imports the modules
 of this package on first use (no import-time registration, no mutable global
-table). An out-of-tree router is named ``package.module:ClassName``.
+table). An out-of-tree router is named ``package.module:ClassName``, or registers
+by name from an installed package through the ``hetroute.routers`` entry-point group.
 """
 
 from __future__ import annotations
@@ -11,8 +12,13 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from functools import cache
+from importlib.metadata import entry_points
 
 from .base import Problem, Router, RouterParams
+
+#: Installed packages register routers here, e.g. in pyproject.toml:
+#: ``[project.entry-points."hetroute.routers"] mine = "mypkg.mine:MyRouter"``
+ENTRY_POINT_GROUP = "hetroute.routers"
 
 __all__ = ["Problem", "Router", "RouterParams", "available", "get_router"]
 
@@ -35,6 +41,19 @@ def _discover() -> dict[str, type[Router]]:
                     raise RuntimeError(f"router name {obj.name!r} is defined twice "
                                        f"({found[obj.name].__module__} and {module.__name__})")
                 found[obj.name] = obj
+    for ep in entry_points(group=ENTRY_POINT_GROUP):  # installed plug-ins
+        try:
+            obj = ep.load()
+        except Exception as err:  # noqa: BLE001
+            raise KeyError(f"router plug-in {ep.name!r} ({ep.value}) failed to load: "
+                           f"{type(err).__name__}: {err}") from None
+        if not (isinstance(obj, type) and issubclass(obj, Router) and "name" in obj.__dict__):
+            raise KeyError(f"router plug-in {ep.name!r} ({ep.value}) is not a Router subclass "
+                           f"with a name")
+        if obj.name in found and found[obj.name] is not obj:
+            raise KeyError(f"router name {obj.name!r} of plug-in {ep.value} is taken by "
+                           f"{found[obj.name].__module__}")
+        found[obj.name] = obj
     return found
 
 
