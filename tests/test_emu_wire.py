@@ -51,6 +51,9 @@ def data_frames(draw: st.DrawFn) -> Frame:
 @st.composite
 def control_frames(draw: st.DrawFn) -> Frame:
     kind = draw(st.sampled_from(list(ControlKind)[1:]))
+    if kind in (ControlKind.CHALLENGE, ControlKind.AUTH):
+        n = w.NONCE_BYTES if kind == ControlKind.CHALLENGE else 32
+        return w.bytes_frame(kind, draw(_u16), draw(st.binary(min_size=n, max_size=n)))
     if kind == ControlKind.STATE:
         n = draw(st.integers(1, 12))
         return w.state_frame(draw(st.lists(st.floats(0, 1e3), min_size=n, max_size=n)),
@@ -377,11 +380,13 @@ def test_rendezvous_through_a_tcp_store_gives_each_worker_its_peers() -> None:
         s.bind(("127.0.0.1", 0))
         store_port = s.getsockname()[1]
     out: dict[int, dict] = {}
+    secrets: dict[int, bytes] = {}
 
     def worker(rank: int) -> None:
         addrs = {str(p): f"127.0.{rank}.{p}" for p in range(3) if p != rank}
-        peers, store = rendezvous(rank, 3, "127.0.0.1", store_port, 9000 + rank, addrs, timeout_s=30)
-        out[rank] = peers
+        peers, store, secret = rendezvous(rank, 3, "127.0.0.1", store_port, 9000 + rank, addrs,
+                                          timeout_s=30)
+        out[rank], secrets[rank] = peers, secret
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in (0, 1, 2)]
     for t in threads:
@@ -389,3 +394,5 @@ def test_rendezvous_through_a_tcp_store_gives_each_worker_its_peers() -> None:
     for t in threads:
         t.join(60)
     assert out == {r: {p: (f"127.0.{p}.{r}", 9000 + p) for p in range(3) if p != r} for r in range(3)}
+    # rank 0 drew the run secret that authenticates peers; everyone has the same one
+    assert len(secrets[0]) == 32 and secrets[0] == secrets[1] == secrets[2]

@@ -227,6 +227,9 @@ def fidelity_summary(stats: dict) -> dict:
                          f"(p99 {w['release_late_p99_ms']:.2f} ms)")
         if w.get("wire_errors"):
             flags.append(f"w{w['rank']}: {w['wire_errors']} malformed frames")
+        if w.get("auth_failures") or w.get("spoofed_frames"):
+            flags.append(f"w{w['rank']}: {w.get('auth_failures', 0)} connections refused "
+                         f"(failed authentication), {w.get('spoofed_frames', 0)} spoofed frames dropped")
     if (stats.get("cpu_percent_max") or 0) >= CPU_SATURATED_PCT:
         flags.append(f"CPU saturated (max {stats['cpu_percent_max']}%)")
     if stats.get("timed_out"):

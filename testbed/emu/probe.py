@@ -48,7 +48,9 @@ def _transport_pair(rank: int, peer: int, addr: str | None, port: int, delay: fl
     delays = [0.0] * n
     delays[peer] = delay
     peers = {peer: (addr, port)} if addr else {}
-    return Transport(rank, port, peers, delays, on_frame, lambda p, why: None)
+    # the probes measure RTT, not trust: both ends share a fixed secret
+    return Transport(rank, port, peers, delays, on_frame, lambda p, why: None,
+                     secret=b"htr-fidelity-probe", check_source=False)
 
 
 def pong(rank: int, peer: int, peer_addr: str, port: int, delay: float, n: int) -> None:

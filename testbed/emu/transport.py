@@ -3,7 +3,15 @@
 Each worker listens on one port on all its addresses and opens one connection
 to every peer, at the peer's address on their direct link, so a message to a
 peer crosses exactly that shaped link. Outgoing connections send, incoming
-ones receive; the first frame on a connection is a PING naming its sender.
+ones receive.
+
+Peers are authenticated before any frame counts: the listener opens with a
+CHALLENGE (a fresh nonce), the connector answers AUTH with the HMAC of the
+nonce and both ranks under the run's secret (``wire.auth_mac``), the listener
+also checks that the connection comes from that rank's address on the link,
+and accepts with a PONG; only then does the connector send. A connection that fails any of this is closed and counted
+(``auth_failures``) and touches no peer's state; after it, a frame whose
+``src`` is not the connection's rank is dropped (``spoofed_frames``).
 
 Delay ("transport" mechanism, used when the kernel has no netem): a frame is
 handed to the worker at the time its last byte arrived plus the dilated
@@ -20,12 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import hmac
+import os
 import selectors
 import time
 from typing import Callable
 
-from .wire import (DEFAULT_MAX_PAYLOAD, ControlKind, Frame, FrameDecoder, MsgType, WireError,
-                   control_frame, encode_header)
+from .wire import (DEFAULT_MAX_PAYLOAD, NONCE_BYTES, ControlKind, Frame, FrameDecoder, MsgType,
+                   WireError, auth_mac, bytes_frame, control_frame, encode_header)
 
 OnFrame = Callable[[Frame, float], None]  # (frame, arrival monotonic time)
 
@@ -49,17 +59,51 @@ class _Inbound(asyncio.Protocol):
     def __init__(self, owner: "Transport") -> None:
         self.owner = owner
         self.decoder = FrameDecoder(owner.max_payload)
-        self.src: int | None = None
+        self.src: int | None = None  # set once the peer has proved its rank
+        self.nonce = os.urandom(NONCE_BYTES)
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
+        self.owner._write(transport, bytes_frame(ControlKind.CHALLENGE, self.owner.rank, self.nonce))
+
+    def _refuse(self, why: str) -> None:
+        self.owner.auth_failures += 1
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        self.owner.log(f"refused a connection from {peer}: {why}")
+        if self.transport is not None:
+            self.transport.close()
+
+    def _authenticate(self, f: Frame) -> bool:
+        h, o = f.header, self.owner
+        if h.mtype != MsgType.CONTROL or h.kind != ControlKind.AUTH:
+            self._refuse("first frame is not AUTH")
+            return False
+        claimed = int(h.src)
+        if claimed == o.rank or claimed not in o.peers:
+            self._refuse(f"claims rank {claimed}, not a peer")
+            return False
+        if not hmac.compare_digest(bytes(f.payload), auth_mac(o.secret, self.nonce, claimed, o.rank)):
+            self._refuse(f"wrong AUTH for rank {claimed}")
+            return False
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        expected = o.peers[claimed][0]
+        if o.check_source and (peer is None or peer[0] != expected):
+            self._refuse(f"rank {claimed} must connect from {expected}, not {peer}")
+            return False
+        self.src = claimed
+        assert self.transport is not None
+        self.owner._write(self.transport, control_frame(ControlKind.PONG, o.rank))  # accepted
+        return True
 
     def data_received(self, data: bytes) -> None:
         arrival = time.monotonic()
         try:
             frames = self.decoder.feed(data)
         except WireError as err:
+            if self.src is None:
+                self._refuse(f"malformed frame before authentication ({err})")
+                return
             self.owner.wire_errors += 1
             self.owner.log(f"closing connection from {self.src}: {err}")
             assert self.transport is not None
@@ -67,12 +111,11 @@ class _Inbound(asyncio.Protocol):
             return
         for f in frames:
             if self.src is None:
-                if f.header.mtype != MsgType.CONTROL or f.header.kind != ControlKind.PING:
-                    self.owner.wire_errors += 1
-                    assert self.transport is not None
-                    self.transport.close()
+                if not self._authenticate(f):
                     return
-                self.src = int(f.header.src)
+                continue
+            if f.header.src != self.src:  # a proven peer speaking for another: dropped
+                self.owner.spoofed_frames += 1
                 continue
             self.owner.deliver(f, self.src, arrival)
 
@@ -86,15 +129,20 @@ class Transport:
 
     def __init__(self, rank: int, port: int, peers: dict[int, tuple[str, int]],
                  delays_in: list[float], on_frame: OnFrame, on_peer_lost: Callable[[int, str], None],
-                 log: Callable[[str], None] = lambda s: None,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+                 secret: bytes, log: Callable[[str], None] = lambda s: None,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, check_source: bool = True) -> None:
+        if len(secret) < 16:
+            raise ValueError("the run secret must have at least 16 bytes")
         self.rank, self.port, self.peers = rank, port, peers
+        self.secret, self.check_source = secret, check_source
         self.delays_in = delays_in  # seconds, per source server
         self.on_frame, self._on_peer_lost, self.log = on_frame, on_peer_lost, log
         self.max_payload = max_payload
         self.out: dict[int, asyncio.Transport] = {}
         self.lost: set[int] = set()
         self.wire_errors = 0
+        self.auth_failures = 0  # connections refused before they proved a rank
+        self.spoofed_frames = 0  # frames a proven peer sent in another's name (dropped)
         self.sent_bytes = 0
         self.frames_in = 0
         self.late_deliveries = 0.0  # summed lateness of delayed deliveries (s)
@@ -107,15 +155,19 @@ class Transport:
         for peer, (host, port) in self.peers.items():
             while True:
                 try:
-                    tr, _ = await loop.create_connection(
+                    tr, proto = await loop.create_connection(
                         lambda p=peer: _Outbound(self, p), host=host, port=port)
                     break
                 except OSError:
                     if time.monotonic() > t_end:
                         raise RuntimeError(f"worker {self.rank}: cannot reach peer {peer} at {host}:{port}")
                     await asyncio.sleep(0.05)
+            try:  # the peer's CHALLENGE answered before anything is sent
+                await asyncio.wait_for(proto.ready, max(1.0, t_end - time.monotonic()))
+            except (asyncio.TimeoutError, ConnectionError) as err:
+                raise RuntimeError(f"worker {self.rank}: no handshake with peer {peer} at "
+                                   f"{host}:{port} ({err or 'timed out'})") from None
             self.out[peer] = tr
-            self._write(tr, control_frame(ControlKind.PING, self.rank))
 
     def _write(self, tr: asyncio.Transport, frame: Frame) -> int:
         head = encode_header(frame, self.max_payload)
@@ -164,11 +216,44 @@ class Transport:
 
 
 class _Outbound(asyncio.Protocol):
+    """Sends; reads only the listener's CHALLENGE, answers it, and waits for its PONG."""
+
     def __init__(self, owner: Transport, peer: int) -> None:
         self.owner, self.peer = owner, peer
+        self.decoder = FrameDecoder(owner.max_payload)
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.answered = False  # AUTH sent; the listener's PONG accepts it
+        self.transport: asyncio.Transport | None = None
 
-    def data_received(self, data: bytes) -> None:  # outbound connections only send
-        pass
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.ready.done():
+            return  # nothing else is expected from a listener
+        try:
+            frames = self.decoder.feed(data)
+        except WireError as err:
+            self.ready.set_exception(ConnectionError(f"bad CHALLENGE: {err}"))
+            return
+        for f in frames:
+            if not self.answered:
+                if f.header.kind != ControlKind.CHALLENGE:
+                    self.ready.set_exception(ConnectionError("first frame is not CHALLENGE"))
+                    return
+                mac = auth_mac(self.owner.secret, bytes(f.payload), self.owner.rank, self.peer)
+                assert self.transport is not None
+                self.owner._write(self.transport, bytes_frame(ControlKind.AUTH, self.owner.rank, mac))
+                self.answered = True
+            elif f.header.kind == ControlKind.PONG:  # the listener accepted us
+                self.ready.set_result(True)
+                return
+            else:
+                self.ready.set_exception(ConnectionError("no acceptance after AUTH"))
+                return
 
     def connection_lost(self, exc) -> None:  # type: ignore[override]
-        self.owner.peer_lost(self.peer, f"outbound connection closed ({exc})")
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(f"closed before the handshake ({exc})"))
+        elif not self.ready.cancelled() and self.ready.exception() is None:  # was a live peer
+            self.owner.peer_lost(self.peer, f"outbound connection closed ({exc})")

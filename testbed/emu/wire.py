@@ -28,6 +28,8 @@ measures RTT with its own clock).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import socket
 import struct
@@ -65,6 +67,8 @@ class ControlKind(IntEnum):
     PING = 3
     PONG = 4
     FAIL = 5  # a token cannot continue: tells its home server (request, token, reason in ctx)
+    CHALLENGE = 6  # the listener's first frame on a connection: a fresh nonce (uint8 [16])
+    AUTH = 7  # the connector's answer: HMAC-SHA256 of the nonce and both ranks (uint8 [32])
 
 
 class Flag:
@@ -288,6 +292,29 @@ def _validate(h: Header, pad_len: int, max_payload: int) -> None:
         raise WireError("STATE needs a float64 [2, N] payload")
     if kind in (ControlKind.SHUTDOWN, ControlKind.PING, ControlKind.PONG, ControlKind.FAIL) and dtype:
         raise WireError(f"{kind.name} carries no payload")
+    if kind in _AUTH_BYTES and (dtype != DType.UINT8 or h.shape != (_AUTH_BYTES[kind],)):
+        raise WireError(f"{kind.name} needs a uint8 [{_AUTH_BYTES[kind]}] payload")
+
+
+# -- peer authentication -----------------------------------------------------------
+# A connection is bound to the rank it claims before any of its frames count: the
+# listener sends CHALLENGE (a fresh nonce), the connector answers AUTH with
+# HMAC-SHA256(run secret, nonce | connector rank | listener rank). Without the run's
+# secret a connection cannot claim a rank, and a recorded answer does not fit a new nonce.
+NONCE_BYTES = 16
+_AUTH_BYTES = {ControlKind.CHALLENGE: NONCE_BYTES, ControlKind.AUTH: 32}
+
+
+def auth_mac(secret: bytes, nonce: bytes, src: int, dst: int) -> bytes:
+    """What rank ``src`` answers to ``dst``'s ``nonce``."""
+    return hmac.new(secret, b"htr-auth\0" + bytes(nonce) + struct.pack("<II", src, dst),
+                    hashlib.sha256).digest()
+
+
+def bytes_frame(kind: ControlKind, src: int, data: bytes) -> Frame:
+    """A CHALLENGE or AUTH frame carrying ``data``."""
+    return tensor_frame(Header(MsgType.CONTROL, kind=kind, src=src),
+                        torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
 def encode_header(frame: Frame, max_payload: int = DEFAULT_MAX_PAYLOAD) -> bytes:

@@ -85,6 +85,7 @@ class WorkerConfig:
     faults: bool = False  # timeouts are armed only in runs that inject faults
     layer_timeout_s: float = 2.0  # emulated seconds before a stuck layer is re-routed
     request_timeout_s: float = 30.0  # emulated seconds before a home request fails
+    secret: str = ""  # hex run secret that authenticates peers; "" takes rank 0's from the store
 
     @classmethod
     def load(cls, path: str) -> "WorkerConfig":
@@ -209,12 +210,14 @@ class Worker:
                                     self.wall, self._log)
         if self.cfg.rendezvous is not None:  # peers from the store, not from the config
             host, port = self.cfg.rendezvous
-            peers, self._store = await loop.run_in_executor(
+            peers, self._store, secret = await loop.run_in_executor(
                 None, lambda: rendezvous(self.rank, self.cfg.world, host, port, self.cfg.port,
-                                         self.cfg.listen))
+                                         self.cfg.listen, bytes.fromhex(self.cfg.secret)))
             self.cfg.peers = peers
+        else:
+            secret = bytes.fromhex(self.cfg.secret)
         self.net = Transport(self.rank, self.cfg.port, self.cfg.peers, self.cfg.delays_in,
-                             self._on_frame, self._peer_lost, log=self._log)
+                             self._on_frame, self._peer_lost, secret, log=self._log)
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up
@@ -702,7 +705,8 @@ class Worker:
                 "decision_cpu_us_mean": float(np.mean(self.decision_cpu) * 1e6) if self.decision_cpu else 0.0,
                 "decision_cpu_us_p99": float(np.percentile(self.decision_cpu, 99) * 1e6)
                 if self.decision_cpu else 0.0,
-                "wire_errors": self.net.wire_errors, "bytes_sent": self.net.sent_bytes,
+                "wire_errors": self.net.wire_errors, "auth_failures": self.net.auth_failures,
+                "spoofed_frames": self.net.spoofed_frames, "bytes_sent": self.net.sent_bytes,
                 "delivery_late_mean_ms": self.net.late_deliveries / max(1, self.net.frames_in) * 1e3}
 
 

@@ -1,0 +1,112 @@
+"""Peer authentication of the emulator's transport (issue 14): a connection must prove its
+rank with the run's secret and come from that rank's address before any frame counts; a
+connection that fails changes no peer's state. Runs on localhost, no root needed."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from testbed.emu.transport import Transport
+from testbed.emu.wire import (ControlKind, FrameDecoder, auth_mac, bytes_frame, control_frame,
+                              encode_header, state_frame)
+
+SECRET = b"s" * 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bytes(frame) -> bytes:
+    return encode_header(frame) + bytes(frame.payload) + bytes(frame.pad_len)
+
+
+class Pair:
+    """Workers 0 and 1 on 127.0.0.1, each recording what it receives and whom it lost."""
+
+    def __init__(self):
+        self.ports = [_free_port(), _free_port()]
+        self.got = {0: [], 1: []}
+        self.lost = {0: [], 1: []}
+        self.t = [Transport(r, self.ports[r], {1 - r: ("127.0.0.1", self.ports[1 - r])}, [0.0, 0.0],
+                            lambda f, a, r=r: self.got[r].append(f),
+                            lambda p, why, r=r: self.lost[r].append((p, why)), SECRET)
+                  for r in (0, 1)]
+
+    async def start(self):
+        await asyncio.gather(self.t[0].start(), self.t[1].start())
+
+
+async def _intruder(port: int, answer, source: str = "127.0.0.1") -> None:
+    """Connect to worker 0, read its CHALLENGE, send ``answer(nonce)`` bytes, close."""
+    r, w = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    dec = FrameDecoder()
+    frames = []
+    while not frames:
+        frames = dec.feed(await r.read(4096))
+    assert frames[0].header.kind == ControlKind.CHALLENGE
+    w.write(answer(bytes(frames[0].payload)))
+    await w.drain()
+    await asyncio.sleep(0.05)
+    w.close()
+    await asyncio.sleep(0.05)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("name, answer, source", [
+    ("PING naming rank 1 (the old handshake)", lambda n: _bytes(control_frame(ControlKind.PING, 1)), "127.0.0.1"),
+    ("garbage", lambda n: b"\x00" * 200, "127.0.0.1"),
+    ("AUTH for rank 1 under a guessed secret",
+     lambda n: _bytes(bytes_frame(ControlKind.AUTH, 1, auth_mac(b"g" * 32, n, 1, 0))), "127.0.0.1"),
+    ("AUTH replayed for another nonce",
+     lambda n: _bytes(bytes_frame(ControlKind.AUTH, 1, auth_mac(SECRET, b"\x01" * 16, 1, 0))), "127.0.0.1"),
+    ("the right AUTH from another address (a leaked secret)",
+     lambda n: _bytes(bytes_frame(ControlKind.AUTH, 1, auth_mac(SECRET, n, 1, 0))), "127.0.0.2"),
+])
+def test_an_impersonator_changes_no_peer_state(name, answer, source):
+    async def main():
+        pair = Pair()
+        await pair.start()
+        await _intruder(pair.ports[0], answer, source)
+        # the real peer still reaches worker 0, and nobody was marked lost
+        pair.t[1].send(0, state_frame([0.5, 0.0], [True, True], 1, 1, 0.0, 0.0))
+        await asyncio.sleep(0.1)
+        assert pair.lost == {0: [], 1: []}, name
+        assert pair.t[0].auth_failures == 1
+        assert [f.header.kind for f in pair.got[0]] == [ControlKind.STATE]
+        for t in pair.t:
+            t.close()
+    _run(main())
+
+
+def test_a_proven_peer_cannot_speak_for_another_rank():
+    async def main():
+        pair = Pair()
+        await pair.start()
+        pair.t[1].send(0, state_frame([0.1, 0.0], [True, True], 5, 1, 0.0, 0.0))  # claims rank 5
+        pair.t[1].send(0, state_frame([0.2, 0.0], [True, True], 1, 1, 0.0, 0.0))
+        await asyncio.sleep(0.1)
+        assert [f.header.src for f in pair.got[0]] == [1] and pair.t[0].spoofed_frames == 1
+        assert pair.t[0].auth_failures == 0 and pair.lost == {0: [], 1: []}
+        for t in pair.t:
+            t.close()
+    _run(main())
+
+
+def test_workers_with_different_secrets_do_not_connect():
+    async def main():
+        pair = Pair()
+        pair.t[1].secret = b"x" * 32
+        with pytest.raises(RuntimeError):
+            await asyncio.gather(pair.t[0].start(2.0), pair.t[1].start(2.0))
+        for t in pair.t:
+            t.close()
+    _run(main())
