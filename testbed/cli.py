@@ -12,6 +12,7 @@ import typer
 from hetroute.routers import available
 
 from .hardware_cli import app as hardware_app
+from .lifecycle import sigterm_as_interrupt
 from .metrics import format_table
 from .spec import ExperimentSpec, SpecError, load_spec, parse_override, parse_spec
 
@@ -51,11 +52,16 @@ def run(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     try:
         s = _load(spec, set_)
         _warn(s, Path(spec).parent)
-        res = run_experiment(s, out or Path("results/runs") / s.name, progress=not quiet,
-                             base_dir=Path(spec).parent)
+        with sigterm_as_interrupt():
+            res = run_experiment(s, out or Path("results/runs") / s.name, progress=not quiet,
+                                 base_dir=Path(spec).parent)
     except (SpecError, TopologyError) as err:
         _fail(str(err))
         return
+    except KeyboardInterrupt as err:
+        typer.echo(f"interrupted ({err or 'SIGINT'}): run.json says interrupted; "
+                   f"records written so far are kept", err=True)
+        raise typer.Exit(130) from None
     typer.echo(format_table({s.router.name: res.metrics}))
     typer.echo(f"results: {res.out_dir}  (placement {res.info['placement_s']:.1f} s, "
                f"backend {res.info['backend_s']:.1f} s)")
@@ -103,13 +109,18 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
         _fail(f"backend must be sim|emu and scale smoke|quick|full, got {backend}/{scale}")
     try:
         f = load_figure(spec or figure_path(fig))
-        summary = run_sweep(f, backend, scale, results, jobs or default_jobs(),  # type: ignore[arg-type]
-                            progress=not quiet, dry_run=dry_run, physics=physics)
+        with sigterm_as_interrupt():
+            summary = run_sweep(f, backend, scale, results, jobs or default_jobs(),  # type: ignore[arg-type]
+                                progress=not quiet, dry_run=dry_run, physics=physics)
         if dry_run:
             return
     except SpecError as err:
         _fail(str(err))
         return
+    except KeyboardInterrupt as err:
+        typer.echo(f"interrupted ({err or 'SIGINT'}): the pool is stopped; run the same "
+                   f"command again to resume (finished points are skipped)", err=True)
+        raise typer.Exit(130) from None
     for path, err in summary["failed"]:
         typer.echo(f"failed: {path}: {err}", err=True)
     typer.echo(f"fig{fig}: {summary['points']} runs ({summary['skipped']} skipped) in "

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from topologies.schema import InputFileError, one_line, read_yaml
 
+from .lifecycle import die_with_parent, sigterm_as_interrupt
 from .runner import is_done, run_experiment
 from .setup import resolve_inputs
 from .spec import ExperimentSpec, SpecError, parse_spec
@@ -210,14 +211,21 @@ def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: 
     t0 = time.perf_counter()
     failed = []
     if jobs > 1 and backend == "sim" and len(todo) > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as ex:
-            futs = {ex.submit(_run_one, p, cache): p for p in todo}
-            for f in as_completed(futs):
-                try:
-                    f.result()
-                except Exception as err:  # a failed point is reported, the sweep goes on
-                    failed.append((str(futs[f].out_dir), repr(err)))
-                bar.update(1)
+        # pool processes die with the sweep, and any signal stops the pool (issue 14)
+        ex = ProcessPoolExecutor(max_workers=jobs, initializer=die_with_parent)
+        try:
+            with sigterm_as_interrupt():
+                futs = {ex.submit(_run_one, p, cache): p for p in todo}
+                for f in as_completed(futs):
+                    try:
+                        f.result()
+                    except Exception as err:  # a failed point is reported, the sweep goes on
+                        failed.append((str(futs[f].out_dir), repr(err)))
+                    bar.update(1)
+        except BaseException:
+            _stop_pool(ex)
+            raise
+        ex.shutdown(wait=True)
     else:
         for p in todo:
             try:
@@ -232,6 +240,18 @@ def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: 
     root.mkdir(parents=True, exist_ok=True)
     (root / "sweep.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _stop_pool(ex: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and kill what runs: an interrupted point keeps its
+    run.json saying ``running``, so the next sweep redoes it."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())
+    ex.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
 
 
 def _hms(s: float) -> str:

@@ -126,6 +126,62 @@ def test_sigkilled_runner_is_reclaimed_by_clean_net() -> None:
             p.kill()
 
 
+def _start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A long emulated run in a child process, returned once its workers are up."""
+    import yaml
+    from testbed.emu.hosts.names import WORKER_MARK
+    spec = tmp_path / "long.yaml"
+    spec.write_text(yaml.safe_dump({**SPEC, "workload": {**SPEC["workload"], "duration_s": 8.0}}))
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "testbed", "run", str(spec), "--quiet", "--out", str(out)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if _workers(WORKER_MARK) == 3:
+            break
+        assert p.poll() is None, p.stderr.read()[-2000:]
+        time.sleep(0.5)
+    time.sleep(10)  # past start-up (torch import, rendezvous, handshakes): mid-run
+    assert p.poll() is None, "the run ended before it could be interrupted"
+    return p, out
+
+
+def _workers(mark: str) -> int:
+    from testbed.emu.hosts.cleanup import _procs
+    return sum(1 for _, cmd in _procs() if mark in cmd and "testbed.emu.worker" in cmd)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_mid_run_leaves_nothing_behind(tmp_path: Path, sig) -> None:
+    """Workers stopped first, then the network: no process, namespace, interface, qdisc
+    or cgroup remains without clean-net, and the run says it was interrupted."""
+    import json
+    from testbed.emu.hosts.cleanup import leftovers
+    p, out = _start_run(tmp_path)
+    os.kill(p.pid, sig)
+    _, err = p.communicate(timeout=90)
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err, err[-2000:]
+    assert json.loads((out / "run.json").read_text())["status"] == "interrupted"
+    left = leftovers()
+    assert not any(left.values()), left
+
+
+def test_workers_die_with_a_sigkilled_runner(tmp_path: Path) -> None:
+    from testbed.emu.hosts.names import WORKER_MARK
+    p, _ = _start_run(tmp_path)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=10)
+    t0 = time.monotonic()
+    while _workers(WORKER_MARK) and time.monotonic() - t0 < 5:
+        time.sleep(0.1)
+    assert _workers(WORKER_MARK) == 0, "a worker outlived its runner by 5 s"
+    # what the kernel does not reclaim (cgroups, Mininet's shells) is clean-net's
+    out = subprocess.run(["make", "-s", "clean-net"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
 def test_inrun_quality_workers_run_the_proxy_on_real_hidden_states(tmp_path: Path) -> None:
     """quality.inrun: every request's loss measured by the workers during the run.
 

@@ -655,17 +655,22 @@ def _format_rows(rows: list[tuple[str, str, float, float, float, float]]) -> str
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workloads.traces",
                                      description="Routing statistics of expert-activation traces.")
-    parser.add_argument("command", choices=("stats", "calibrate"))
+    parser.add_argument("command", choices=("stats", "calibrate", "convert"))
+    parser.add_argument("paths", nargs="*", help="convert: IN OUT (a routing log, the trace to write)")
+    parser.add_argument("--format", dest="fmt", choices=("hf", "vllm"),
+                        help="convert: the log's shape (workloads/trace_convert.py)")
     parser.add_argument("--model", default="mixtral")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--trace", help="a JSON-lines trace to measure instead of the synthetic one")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # convert takes IN OUT after options
     try:
         model = get_model(args.model)
     except KeyError as e:
         parser.error(str(e.args[0]))
+    if args.command == "convert":
+        return _convert(parser, args, model)
     targets = TARGETS[model.name]
     if args.command == "calibrate":
         seeds = range(args.seed, args.seed + 4)
@@ -683,6 +688,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{model.name}: {stats['n_tokens']} tokens, {stats['n_pairs']} consecutive pairs; "
           f"targets: {targets.source}")
     print(_format_rows(compare_to_targets(stats, targets)))
+    return 0
+
+
+def _convert(parser: argparse.ArgumentParser, args: argparse.Namespace, model: ModelSpec) -> int:
+    from .trace_convert import convert
+
+    if len(args.paths) != 2 or args.fmt is None:
+        parser.error("convert needs --format hf|vllm IN OUT")
+    try:
+        report = convert(args.paths[0], args.paths[1], model, args.fmt)
+        JsonlTrace(args.paths[1], model)  # what was written reads back
+    except (OSError, ValueError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(report.format())
+    print(f"written: {args.paths[1]} ({model.name}, top-{model.top_k})")
     return 0
 
 

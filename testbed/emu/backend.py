@@ -44,6 +44,7 @@ class EmuBackend:
             raise ValueError("the emulator needs a results folder")
         self.s, self.writer, self.progress = setup, writer, progress
         self.out = Path(writer.out_dir)
+        self.timers: list[threading.Timer] = []
 
     def run(self) -> dict:
         s, spec, out = self.s, self.s.spec, self.out
@@ -88,11 +89,21 @@ class EmuBackend:
                 threading.Thread(target=_pump, args=(rank, p, lines), daemon=True).start()
             try:
                 stats.update(self._drive(net, procs, lines, T))
-            finally:
+            finally:  # workers first (so their cgroups empty), then read, then the network
+                for t in self.timers:
+                    t.cancel()
                 for p in procs:
                     if p.poll() is None:
                         p.kill()
-                stats["links"] = _link_table(net)
+                for p in procs:
+                    try:
+                        p.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass
+                try:
+                    stats["links"] = _link_table(net)
+                except Exception as err:  # noqa: BLE001 - never mask why the run ended
+                    stats["links"] = {"error": f"{type(err).__name__}: {err}"}
         stats.update(self._reconcile())
         stats["workers"] = [json.loads(f.read_text()) for f in sorted(wdir.glob("w*.json"))
                             if not f.name.endswith("config.json")]
@@ -121,8 +132,11 @@ class EmuBackend:
             p.stdin.flush()
         dead: set[int] = set()
         for f in spec.faults:
-            threading.Timer(max(0.0, t0 + f.at_s * T - time.monotonic()), self._fault,
-                            args=(net, procs, f, dead)).start()
+            timer = threading.Timer(max(0.0, t0 + f.at_s * T - time.monotonic()), self._fault,
+                                    args=(net, procs, f, dead))
+            timer.daemon = True  # an interrupted run must not wait for a pending fault
+            timer.start()
+            self.timers.append(timer)
         total = len(s.requests)
         bar = tqdm(total=total, unit="req", desc=f"{spec.name} [emu T={T:g}]", disable=not self.progress)
         homedone: set[int] = set()

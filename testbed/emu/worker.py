@@ -60,6 +60,7 @@ from ..setup import build_setup
 from ..spec import parse_spec
 from ..steps import DENSE, Job, StepScheduler
 from .experts import ExpertBank, ExpertSpec, ProxyBank
+from ..lifecycle import die_with_parent
 from .rendezvous import rendezvous
 from .stream import ModeledStream, Work
 from .tolerances import RELEASE_LATE_REL
@@ -714,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--htr-worker", dest="config", required=True)
     args = ap.parse_args(argv)
+    die_with_parent()  # SIGKILL when the runner exits, however it exits (Mininet's
+    # `mnexec -da` execs without forking, so the runner is the parent)
     sys.setswitchinterval(0.0005)
     cfg = WorkerConfig.load(args.config)
     worker = Worker(cfg)

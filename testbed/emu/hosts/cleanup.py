@@ -38,9 +38,33 @@ def leftovers() -> dict[str, list[str]]:
     intfs = [ln.split(":")[1].strip().split("@")[0] for ln in links.splitlines()
              if ln.split(":")[1].strip().startswith(PREFIX)]
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    netns = [x for x in ns if x.startswith(PREFIX)]
+    # Mininet's namespaces are unnamed (ip netns cannot see them): count the network
+    # namespaces, other than this one, that a process of ours holds, read from /proc
+    netns = [x for x in ns if x.startswith(PREFIX)] + _held_netns(me)
+    qdiscs = [ln for ln in subprocess.run(["tc", "qdisc", "show"], capture_output=True,
+                                          text=True).stdout.splitlines()
+              if f" dev {PREFIX}" in ln]
     cg = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/{PREFIX}*")] if Path("/sys/fs/cgroup").exists() else []
-    return {"processes": procs, "interfaces": intfs, "namespaces": netns, "cgroups": cg}
+    return {"processes": procs, "interfaces": intfs, "namespaces": netns, "qdiscs": qdiscs,
+            "cgroups": cg}
+
+
+def _held_netns(me: int) -> list[str]:
+    """Each network namespace other than ours that a process of the emulator holds."""
+    try:
+        mine = os.readlink(f"/proc/{me}/ns/net")
+    except OSError:
+        return []
+    held: dict[str, list[int]] = {}
+    for pid, cmd in _procs():
+        if pid != me and (WORKER_MARK in cmd or f"mininet:{PREFIX}" in cmd):
+            try:
+                ns = os.readlink(f"/proc/{pid}/ns/net")
+            except OSError:
+                continue
+            if ns != mine:
+                held.setdefault(ns, []).append(pid)
+    return [f"{ns} (pids {', '.join(map(str, pids))})" for ns, pids in sorted(held.items())]
 
 
 def remove_cgroup(path: str | Path) -> None:

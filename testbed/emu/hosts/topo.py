@@ -109,8 +109,12 @@ class EmulatedNetwork:
         self.close()
 
     def _on_signal(self, signum, frame) -> None:
-        self.close()
-        raise KeyboardInterrupt(f"signal {signum}")
+        """Interrupt the run where it is; tearing down is left to the ``finally`` blocks
+        and ``__exit__`` (workers stopped first, then the network), so nothing runs on
+        hosts already gone. Further SIGINT/SIGTERM are ignored until the teardown ends."""
+        for s in self._old_handlers:
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
     # -- building ----------------------------------------------------------------
     def _build(self) -> None:
