@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from hetroute.deployment import Deployment
+from hetroute.quality import QualityModel
 from hetroute.routers.base import Router
 from hetroute.service import PaperService, ServiceModel, make_service
 from hetroute.system import Cluster, MoEShape
@@ -38,15 +39,17 @@ class Routed:
     decision_s: float  # CPU seconds the decision took (measured)
     view_age_s: float
     backlog_err_s: float  # belief minus truth at the participant where they differ most
+    dq: float = 0.0  # the layer's quality increment, derived by the backend (eq. 8 terms)
 
 
 class TokenLayerCore:
     """Shared by both backends for one run (one per process in the emulator)."""
 
     def __init__(self, router: Router, deployment: Deployment, cluster: Cluster, shape: MoEShape,
-                 physics: str) -> None:
+                 physics: str, quality: QualityModel) -> None:
         dep = deployment
         self.router = router
+        self.quality = quality
         self.deployment = dep
         self.world: ServiceModel = make_service(physics, cluster, shape)
         #: the router's belief; a router without one believes the paper's model
@@ -104,7 +107,23 @@ class TokenLayerCore:
             w = ag[r] if gpu else ac[r]
             bl[n] += w
             adm[n] += w
-        return Routed(a, per_server, spent, tok.now - view.opened_at, err)
+        return Routed(a, per_server, spent, tok.now - view.opened_at, err,
+                      self.increment(a.targets, a.replicas))
+
+    def increment(self, targets: tuple[int, ...], replicas: tuple[int, ...]) -> float:
+        """The quality increment of an assignment (the inner sums of eq. 8), from the run's
+        quality model and the replicas actually executed: the backend accounts quality,
+        so a router cannot under-report it (its own ``Assignment.dq`` is not read)."""
+        q, re, rp = self.quality, self.rep_expert, self.rep_prec
+        dq = 0.0
+        for t, r in zip(targets, replicas):
+            try:
+                dq += q.increment(t, re[r], rp[r])
+            except KeyError as err:
+                raise RuntimeError(f"router {self.router.name}: replica {r} runs expert {re[r]} "
+                                   f"for target {t}, which is neither it nor one of its "
+                                   f"substitutes ({err.args[0]})") from None
+        return dq
 
     def tier(self, decider: Router, theta: int, r: int) -> bool:
         """GPU tier of replica r as the decider at theta can know it."""
@@ -127,7 +146,7 @@ class TokenLayerCore:
         return TokenLayerRecord(
             tok.request, tok.index, tok.layer, t_start, theta, a.next_server, participants,
             fan_out_end - t_dispatch, compute if compute > 0 else 0.0, t_done - ce,
-            t_done - t_start, nbytes, a.dq, a.est_delay, routed.view_age_s, routed.backlog_err_s,
+            t_done - t_start, nbytes, routed.dq, a.est_delay, routed.view_age_s, routed.backlog_err_s,
             t_decided - t_start, t_dispatch - t_decided, a.targets, [re[r] for r in reps], reps,
             servers, [rp[r] for r in reps], gpus, types)
 

@@ -138,3 +138,25 @@ def test_an_installed_plugin_registers_by_name(tmp_path, monkeypatch):
         monkeypatch.undo()
         routers._discover.cache_clear()
     assert "plugged-nearest" not in available()
+
+
+class Understating(get_router("hetroute")):
+    """Claims every layer is free of quality loss (dq = 0), whatever it executes."""
+
+    def route(self, tok, targets, view):
+        return dataclasses.replace(super().route(tok, targets, view), dq=0.0)
+
+
+def test_the_backend_not_the_router_accounts_quality():
+    """A router reporting dq = 0 for quantized or substitute executions does not escape the
+    budget: the records carry the increment the quality model gives for what ran."""
+    honest = build_setup(spec_for("hetroute", "paper10", "mixtral-8x7b"))
+    lying = build_setup(spec_for(f"{__name__}:Understating", "paper10", "mixtral-8x7b"))
+    tl_h, _ = simulate(honest)
+    tl_l, _ = simulate(lying)
+    assert (tl_h.dq > 0).any(), "the honest run executed nothing lossy: the test proves nothing"
+    np.testing.assert_array_equal(tl_l.dq.to_numpy(), tl_h.dq.to_numpy())
+    q, dep = lying.quality, lying.deployment
+    derived = [sum(q.increment(int(t), dep.replicas[int(r)].expert, int(dep.replicas[int(r)].precision))
+                   for t, r in zip(ts, rs)) for ts, rs in zip(tl_l.target, tl_l.replica)]
+    np.testing.assert_allclose(tl_l.dq.to_numpy(), derived, rtol=1e-12, atol=0)

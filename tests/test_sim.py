@@ -62,6 +62,11 @@ class FakeSetup:
     def request_targets(self, rid, n):
         return self.targets[rid]
 
+    @property
+    def quality(self):  # these tests run exact FP16 replicas: every increment is 0
+        from hetroute.quality import prior_quality
+        return prior_quality(self.shape)
+
 
 def _cluster(B=1e9, delay=1e-3, flops=(1e12, 2e12), pcie=(1e10, 1e10)):
     return Cluster(names=("a", "b"), flops=flops, pcie=pcie, gpu_bytes=(1e10,) * 2,

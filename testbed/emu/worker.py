@@ -168,7 +168,7 @@ class Worker:
             self.d = d
         sh = s.shape
         #: decide/admit/record/feedback, shared with the simulator
-        self.core = TokenLayerCore(s.router, self.dep, s.cluster, sh, spec.physics)
+        self.core = TokenLayerCore(s.router, self.dep, s.cluster, sh, spec.physics, s.quality)
         self.hardware = spec.physics == "hardware"
         self.dense_s = self.core.world.dense_s(self.rank, 1)  # physics: paper (a delay)
         self.cpu_free = 0.0  # model time this server's CPU is free of routing decisions
@@ -406,7 +406,7 @@ class Worker:
         rid, index, layer = tv.request, tv.index, tv.layer
         out = Header(MsgType.HIDDEN, request=rid, seq=int(hdr.seq) + 1 + retries, token=index,
                      layer=layer, src=self.rank, home=int(hdr.home), residing=self.rank,
-                     aggregator=int(a.next_server), n_parts=len(participants), gate=float(a.dq),
+                     aggregator=int(a.next_server), n_parts=len(participants), gate=float(routed.dq),
                      lam_acc=float(hdr.lam_acc), t_origin=t_layer, t_send=t_disp,
                      mode=min(retries, 255), ctx=tuple(ctx), dtype=DType.FLOAT32, shape=(self.d,))
         frame = self._hidden_frame(out, h)
@@ -579,8 +579,9 @@ class Worker:
             n_bytes += self.hidden_bytes
         view_age_us, err_us, decision_us = stamps
         a = Assignment(tuple(e for e, _, _ in triples), tuple(r for _, r, _ in triples),
-                       tuple(m for _, _, m in triples), self.rank, dq=float(h.gate))
-        routed = Routed(a, {}, decision_us * 1e-6, view_age_us * 1e-6, err_us * 1e-6)
+                       tuple(m for _, _, m in triples), self.rank)
+        dq = self.core.increment(a.targets, a.replicas)  # derived here too, not read off the wire
+        routed = Routed(a, {}, decision_us * 1e-6, view_age_us * 1e-6, err_us * 1e-6, dq)
         tv = TokenView(int(h.request), int(h.token), int(h.home), 0.0, server=theta,
                        layer=int(h.layer))
         rec = self.core.record(tv, routed, gpus, float(h.t_origin), t_disp - decision_us * 1e-6,
@@ -588,7 +589,7 @@ class Worker:
         self.writer.token_layer(rec)
         self.stats["token_layers"] += 1
         self.core.realize(rec, self.realized)
-        lam = float(h.lam_acc) + float(h.gate)
+        lam = float(h.lam_acc) + dq
         nxt = Header(MsgType.TOKEN, request=h.request, seq=h.seq, token=h.token, layer=int(h.layer) + 1,
                      home=h.home, residing=self.rank, src=self.rank, lam_acc=lam, t_origin=t,
                      ctx=rctx)

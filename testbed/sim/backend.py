@@ -99,7 +99,8 @@ class SimBackend:
                    for m in range(N)]
         self.delay = [list(row) for row in cl.delay]
         self.link_free = [[0.0] * N for _ in range(N)]
-        self.core = core = TokenLayerCore(setup.router, setup.deployment, cl, shape, spec.physics)
+        self.core = core = TokenLayerCore(setup.router, setup.deployment, cl, shape, spec.physics,
+                                          setup.quality)
         self.rep_server = core.rep_server
         dep = setup.deployment
         eng = spec.engine
@@ -477,7 +478,7 @@ class SimBackend:
         self.w.token_layer(rec)
         self.stats.token_layers += 1
         self.core.realize(rec, self.realized[tok.decider])
-        tv.lam_acc += a.dq
+        tv.lam_acc += tok.routed.dq
         tv.server = a.next_server
         tv.layer += 1
         if tv.layer < self.L:
