@@ -55,7 +55,8 @@ class EmuBackend:
             from workloads.proxy.trace import trace_proxy
             trace_proxy(Path(spec.workload.trace), load_corpus())
         cache = out / "placement"
-        _save_placement(_cache_file(spec, s.topology, cache), s.deployment, s.router.placement_report)
+        _save_placement(_cache_file(spec, s.topology, cache, type(s.router)), s.deployment,
+                        s.router.placement_report)
         spec_file = out / "spec.resolved.yaml"
         if not spec_file.exists():
             spec_file.write_text(spec.to_yaml())
