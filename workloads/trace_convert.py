@@ -58,6 +58,11 @@ class ConvertReport:
     skipped: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
 
+    def skip(self, why: str) -> None:
+        """A malformed record, skipped; ``why`` names its place."""
+        self.skipped += 1
+        self.note("malformed", why)
+
     def note(self, kind: str, where: str) -> None:
         ex = self.examples.setdefault(kind, [])
         if len(ex) < MAX_EXAMPLES:
@@ -106,8 +111,7 @@ def _hf_cells(path: Path, model: ModelSpec, report: ConvertReport) -> tuple[Cell
 
     def add(req: int, arr: np.ndarray, where: str) -> None:
         if arr.ndim != 3 or arr.shape[0] != L or arr.shape[2] != E:
-            report.skipped += 1
-            report.note("malformed", f"{where}: router_logits of shape {arr.shape}, "
+            report.skip(f"{where}: router_logits of shape {arr.shape}, "
                         f"expected ({L}, T, {E})")
             return
         report.records += 1
@@ -140,14 +144,12 @@ def _hf_cells(path: Path, model: ModelSpec, report: ConvertReport) -> tuple[Cell
                 continue
             req = rec.get("request", rec.get("request_id"))
             if not isinstance(req, int) or isinstance(req, bool) or req < 0 or "router_logits" not in rec:
-                report.skipped += 1
-                report.note("malformed", f"{where}: needs an integer request and router_logits")
+                report.skip(f"{where}: needs an integer request and router_logits")
                 continue
             try:
                 arr = np.asarray(rec["router_logits"], dtype=np.float64)
             except (TypeError, ValueError):
-                report.skipped += 1
-                report.note("malformed", f"{where}: router_logits is not a numeric array")
+                report.skip(f"{where}: router_logits is not a numeric array")
                 continue
             add(req, arr, where)
     return cells, missing
@@ -169,8 +171,7 @@ def _vllm_cells(path: Path, model: ModelSpec, report: ConvertReport) -> tuple[Ce
         experts = _first(rec, "topk_ids", "expert_ids", "experts")
         weights = _first(rec, "topk_weights", "weights", "scores")
         if raw_req is None or not isinstance(layer, int) or not 0 <= layer < L or experts is None:
-            report.skipped += 1
-            report.note("malformed", f"{where}: needs request_id, a layer in [0, {L}) and topk_ids")
+            report.skip(f"{where}: needs request_id, a layer in [0, {L}) and topk_ids")
             continue
         if experts and not isinstance(experts[0], list):  # one token logged flat
             experts = [experts]
@@ -192,8 +193,7 @@ def _vllm_cells(path: Path, model: ModelSpec, report: ConvertReport) -> tuple[Ce
                       and all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in row)
                       and sum(row) > 0 for row in weights))
         if not ok:
-            report.skipped += 1
-            report.note("malformed", f"{where}: positions, topk_ids ({k} distinct ids in [0, {E}) "
+            report.skip(f"{where}: positions, topk_ids ({k} distinct ids in [0, {E}) "
                         f"per token) and topk_weights must match")
             continue
         report.records += 1
@@ -227,12 +227,10 @@ def _json(text: str, where: str, report: ConvertReport) -> dict | None:
     try:
         rec = json.loads(text)
     except json.JSONDecodeError as err:
-        report.skipped += 1
-        report.note("malformed", f"{where}: invalid JSON ({err.msg})")
+        report.skip(f"{where}: invalid JSON ({err.msg})")
         return None
     if not isinstance(rec, dict):
-        report.skipped += 1
-        report.note("malformed", f"{where}: not a JSON object")
+        report.skip(f"{where}: not a JSON object")
         return None
     return rec
 
