@@ -100,10 +100,18 @@ def test_checker_catches_broken_routers(broken, check):
 
 
 def test_each_check_raises_a_conformance_error():
-    s = build_setup(spec_for(f"{__name__}:WrongExpert", "small3", "mixtral-8x7b"))
+    s = build_setup(spec_for(f"{__name__}:Unseeded", "small3", "mixtral-8x7b"))
     tl, rq = simulate(s)
-    with pytest.raises(ConformanceError, match="records: .* labelled exact run another expert"):
-        check_records(s, tl, rq)
+    with pytest.raises(ConformanceError, match="determinism: two runs differ"):
+        check_determinism(s, tl, rq)
+
+
+def test_running_another_expert_as_exact_is_stopped_by_the_backend():
+    """The core derives the quality increment of what ran, so an execution that is neither
+    the target nor one of its substitutes cannot pass unnoticed."""
+    s = build_setup(spec_for(f"{__name__}:WrongExpert", "small3", "mixtral-8x7b"))
+    with pytest.raises(RuntimeError, match="neither it nor one of its substitutes"):
+        simulate(s)
 
 
 def test_check_router_command(tmp_path):
