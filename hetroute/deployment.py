@@ -131,10 +131,13 @@ class Deployment:
         for r in self.replicas:
             per_prec[r.precision.label] += 1
         n_gpu = sum(r.gpu for r in self.replicas)
+        gpu_b = sum(shape.expert_bytes[r.precision] for r in self.replicas if r.gpu)
         return {
             "replicas": len(self.replicas),
             "replicas_per_expert": len(self.replicas) / max(1, self.n_experts),
             "gpu_resident": n_gpu,
             "by_precision": per_prec,
             "total_gib": self.total_bytes(shape) / 2**30,
+            "gpu_gb": gpu_b / 1e9,
+            "cpu_gb": (self.total_bytes(shape) - gpu_b) / 1e9,
         }

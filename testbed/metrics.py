@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from hetroute.state import ExecType
+from hetroute.system import FULL_PRECISION
 
 from .records import flat
 
@@ -28,6 +29,9 @@ HEADLINE = (
     ("throughput_tok_s", "throughput (tokens/s)"),
     ("sla_ratio", "SLA satisfaction"),
     ("latency_trend", "latency of the last third of arrivals over the first"),
+    ("mem_gpu_gb", "replica GB in GPU memory / the GPU budget"),
+    ("mem_cpu_gb", "replica GB in CPU memory / the CPU budget"),
+    ("mem_x_model", "replica bytes over the model's experts in FP16"),
 )
 
 
@@ -101,11 +105,23 @@ def stability(ok: pd.DataFrame) -> dict:
     return {"latency_trend": trend, "unstable": bool(trend > UNSTABLE_TREND)}
 
 
+def memory_use(deployment, shape, budget) -> dict:
+    """What a placement holds against what the memory rule gives it (GB, 10^9 bytes):
+    replica bytes in GPU and CPU memory, the budgets, and the replicas' bytes as a
+    multiple of the model's experts in FP16 (issue 13: budgets differ by router)."""
+    d = deployment.summary(shape)
+    model = shape.n_experts * shape.expert_bytes[FULL_PRECISION] / 1e9
+    return {"mem_gpu_gb": d["gpu_gb"], "mem_cpu_gb": d["cpu_gb"],
+            "mem_budget_gpu_gb": sum(budget.gpu) / 1e9, "mem_budget_cpu_gb": sum(budget.cpu) / 1e9,
+            "mem_x_model": (d["gpu_gb"] + d["cpu_gb"]) / model if model else math.nan}
+
+
 def format_table(rows: dict[str, dict], keys=HEADLINE) -> str:
     """A plain-text table: one row per run label, the headline metrics as columns."""
     short = {"mean_ms": "mean ms", "p50_ms": "p50 ms", "p99_ms": "P99 ms",
              "gb_per_1k_tokens": "GB/1k tok", "remote_ratio": "remote", "cpu_offload_ratio": "CPU-off",
-             "throughput_tok_s": "tok/s", "sla_ratio": "SLA", "latency_trend": "trend"}
+             "throughput_tok_s": "tok/s", "sla_ratio": "SLA", "latency_trend": "trend",
+             "mem_gpu_gb": "GPU GB", "mem_cpu_gb": "CPU GB", "mem_x_model": "replicas"}
     cols = [k for k, _ in keys]
     head = ["router"] + [short.get(c, c) for c in cols]
     lines = [head]
@@ -121,6 +137,11 @@ def format_table(rows: dict[str, dict], keys=HEADLINE) -> str:
                 cells.append(f"{v:.3f}")
             elif c == "latency_trend":
                 cells.append(f"{v:.2f}" + (" UNSTABLE" if met.get("unstable") else ""))
+            elif c in ("mem_gpu_gb", "mem_cpu_gb"):
+                budget = met.get(c.replace("mem_", "mem_budget_"), math.nan)
+                cells.append(f"{v:.0f}/{budget:.0f}")
+            elif c == "mem_x_model":
+                cells.append(f"{v:.2f}x")
             else:
                 cells.append(f"{v:.1f}")
         lines.append(cells)

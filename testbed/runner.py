@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .metrics import compute_metrics
+from .metrics import compute_metrics, memory_use
 from .provenance import provenance, write_json_atomic
 from .records import RecordWriter, read_records
 from .setup import RunSetup, build_setup, check_spec
@@ -118,6 +118,7 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
         frames = (tl, rq)
     w = spec.workload
     metrics = compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s, spec.quality.budget)
+    metrics.update(memory_use(setup.deployment, setup.shape, setup.problem.budget))
     if spec.quality.replay is True and out_dir is not None:
         info["quality_replay_s"] = _replay(out_dir, metrics)
     if spec.quality.inrun and out_dir is not None:

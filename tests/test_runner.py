@@ -153,3 +153,20 @@ def test_calibrated_decision_time_is_stored_once_with_the_placement(tmp_path):
     assert emu.decision_s == 0.0 and "decision_s_calibrated" not in emu.notes
     fixed = build_setup(parse_spec(TINY).with_overrides({"engine.decision_s": 2e-5}))
     assert fixed.decision_s == 2e-5
+
+
+def test_metrics_carry_each_routers_memory_use_against_its_budget(tmp_path):
+    """Budgets differ by design (issue 13): the table shows what each placement holds."""
+    from testbed.metrics import format_table
+    rows = {}
+    for router in ("edgeshard", "hetroute"):
+        spec = parse_spec({**TINY, "router": {"name": router}})
+        rows[router] = run_experiment(spec, tmp_path / router, progress=False).metrics
+    es, hr = rows["edgeshard"], rows["hetroute"]
+    assert es["mem_x_model"] == pytest.approx(1.0)  # one FP16 copy of every expert
+    assert hr["mem_x_model"] > 1.0  # replication
+    for m in rows.values():
+        assert 0 < m["mem_gpu_gb"] <= m["mem_budget_gpu_gb"] + 1e-9
+        assert 0 <= m["mem_cpu_gb"] <= m["mem_budget_cpu_gb"] + 1e-9
+    table = format_table(rows)
+    assert "GPU GB" in table and "1.00x" in table
