@@ -44,9 +44,6 @@ class CostWeights:
         k = len(COMPONENTS) / s if s > 0 else 1.0
         return cls(*(a * k for a in alphas))
 
-    def as_simplex(self) -> tuple[float, float, float, float]:
-        s = self.tx + self.off + self.cq + self.q
-        return (self.tx / s, self.off / s, self.cq / s, self.q / s)
 
 
 class CostModel:

@@ -120,11 +120,6 @@ class Deployment:
             if not self.full_precision(e):
                 raise ConstraintViolation(f"(c.4) expert {e} has no full-precision exact replica")
 
-    def with_residency(self, gpu_flags: list[bool]) -> "Deployment":
-        reps = tuple(Replica(r.expert, r.server, r.precision, bool(g))
-                     for r, g in zip(self.replicas, gpu_flags))
-        return Deployment(reps, self.n_experts, self.n_servers)
-
     def summary(self, shape: MoEShape) -> dict:
         """Counts a run records beside its results."""
         per_prec = {p.label: 0 for p in Precision}

@@ -17,7 +17,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hetroute.state import ExecType
 
 TOKEN_LAYER_SCALARS = (
     ("request", pa.int64()), ("token", pa.int32()), ("layer", pa.int16()),
@@ -162,10 +161,6 @@ def read_records(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         out.append(pd.concat([pq.read_table(p).to_pandas() for p in parts], ignore_index=True)
                    if parts else pd.DataFrame())
     return out[0], out[1]
-
-
-def exec_type_labels() -> dict[int, str]:
-    return {int(t): t.label for t in ExecType}
 
 
 def flat(series: pd.Series) -> np.ndarray:

@@ -157,9 +157,6 @@ class StepScheduler:
         if not self.queue:
             self.queued_s = 0.0  # no float drift
 
-    def has_work(self) -> bool:
-        return bool(self.queue)
-
     def _next_key(self) -> int:
         if self.scope == "replica":
             return next(iter(self.queue))

@@ -214,10 +214,6 @@ def default_trace_params(model_name: str) -> TraceParams:
     return TraceParams(**_DEFAULT_PARAMS[get_model(model_name).name])
 
 
-def default_targets(model_name: str) -> TraceTargets:
-    return TARGETS[get_model(model_name).name]
-
-
 # --------------------------------------------------------------------------
 # Synthetic traces
 # --------------------------------------------------------------------------

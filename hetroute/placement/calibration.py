@@ -64,9 +64,6 @@ class RoutingStats:
     residing: np.ndarray  # (n_experts, n_servers, 3)
     mean_delay: float  # mean sum of est. D_{i,l} per token
 
-    @property
-    def residing_total(self) -> np.ndarray:
-        return self.residing.sum(axis=2)
 
 
 def budget_class(slack: float, q_int8: float, q_int4: float) -> int:

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-import time
 
-import torch
-
-from .experts import ExpertBank, ExpertSpec
 
 #: CPU seconds all workers spend per emulated token-layer (routing, frames,
 #: kernels, bookkeeping), measured on this project's workers (README, "Emulator").
@@ -36,23 +32,6 @@ MIN_DILATION = 32.0
 #: run without it at T=32, equal to it at T=64 (README).
 INRUN_CPU_PER_TOKEN_LAYER_S = 0.4e-3
 INRUN_MIN_DILATION = 64.0
-
-
-def kernel_seconds(d_model: int, activation: str, repeats: int = 60) -> float:
-    """Median time of one scaled-down expert on one hidden state here."""
-    from hetroute.deployment import Replica
-    from hetroute.system import Precision
-    torch.set_num_threads(1)
-    bank = ExpertBank(ExpertSpec(d_model=d_model, d_ff=3 * d_model, activation=activation),  # type: ignore[arg-type]
-                      {0: Replica(0, 0, Precision.FP16, True)})
-    x = torch.randn(1, d_model)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        bank.run(0, x)
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def cpu_bound_dilation(rate_per_s: float, tokens_per_request: int, n_layers: int,

@@ -59,10 +59,6 @@ class ExpertSpec:
         """(out, in) as in ``torch.nn.Linear``."""
         return (self.d_model, self.d_ff) if name == "w2" else (self.d_ff, self.d_model)
 
-    @property
-    def flops_per_token(self) -> int:
-        """Multiply-adds x2 of one token through the scaled-down expert."""
-        return 2 * len(self.weight_names) * self.d_model * self.d_ff
 
 
 def expert_weights(spec: ExpertSpec, expert: int) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ import socket
 import struct
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -508,7 +508,3 @@ def recv_frame(sock: socket.socket, max_payload: int = DEFAULT_MAX_PAYLOAD) -> F
     return Frame(h, body, pad)
 
 
-def iter_frames(sock: socket.socket, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Iterable[Frame]:
-    """Frames until a clean EOF; WireError on anything malformed."""
-    while (f := recv_frame(sock, max_payload)) is not None:
-        yield f
