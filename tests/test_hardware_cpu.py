@@ -32,6 +32,7 @@ SHAPE_TOLERANCE = {(768, 3072, False): 0.25}
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # not in `make test`: this VM's CPU speed drifts (README, Tests)
 def test_cpu_model_predicts_expert_ffns_of_unprofiled_shapes(one_thread):
     gen = torch.Generator().manual_seed(1)
     points = [(shape, b) for shape in SHAPES for b in TOKENS]
