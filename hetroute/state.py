@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
+import numpy as np
+
 
 class Mode(IntEnum):
     """How a target expert is served (Section III-B and the fallback of Alg. 2)."""
@@ -94,8 +96,9 @@ class StateView:
     def __init__(self, n_servers: int) -> None:
         self.window = -1
         self.opened_at = 0.0
-        self.backlog = [0.0] * n_servers
-        self.admitted = [0.0] * n_servers
+        #: float64 arrays, so that a compiled router reads them without a copy
+        self.backlog = np.zeros(n_servers)
+        self.admitted = np.zeros(n_servers)
         self.alive = [True] * n_servers
         self.link_up: list[list[bool]] | None = None  # None: every link up
         self.faultless = True  # every server alive and every link up (fast path)
@@ -109,7 +112,7 @@ class StateView:
         self.window = window
         self.opened_at = opened_at
         self.backlog[:] = backlog
-        self.admitted[:] = [0.0] * len(self.admitted)
+        self.admitted[:] = 0.0
         self.alive[:] = alive
         self.link_up = link_up
         self.faultless = link_up is None and all(alive)

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..cost import CostModel, CostWeights
 from ..state import Assignment, Mode, StateView, TokenView, Unroutable
+from .compiled import route_kernel
 from .search import INF, Candidate, LayerProblem, beam_search, enumerate_best, one_exchange
 
 
@@ -37,6 +40,9 @@ class Alg2Params:
     #: price a replica the decider has a job queued at (``StateView.pending``) at the
     #: marginal cost of one more token in that step (``cost_model: hardware``)
     marginal: bool = False
+    #: run the numba kernel (``compiled.py``); False runs the Python reference below.
+    #: Both return the same assignment bit for bit (tests/test_decision_equivalence.py).
+    compiled: bool = True
 
     def __post_init__(self) -> None:
         if self.beam_width < 1 or self.enum_limit < 1:
@@ -56,6 +62,7 @@ class SetLevelRouter:
         self.popularity = popularity
         self.evaluations = 0  # work counter (Property 5 is tested on it)
         self._build_candidates()
+        self._build_tables()
         self.set_weights(weights)
 
     def spawn(self) -> "SetLevelRouter":
@@ -71,6 +78,12 @@ class SetLevelRouter:
         other._marg = self._marg
         other._agg_cache = [dict() for _ in range(self.cost.shape.n_layers)]
         other._agg_fns = {}
+        other._cands, other._ctab, other._pools = self._cands, self._ctab, self._pools
+        other._last, other._twin_off = self._last, self._twin_off
+        other._tr_a, other._la_a, other._la_home = self._tr_a, self._la_a, self._la_home
+        other._fp, other._ip, other._fp_of = self._fp, self._ip, self._fp_of
+        other._use_kernel = self._use_kernel
+        other._new_scratch()
         return other
 
     # -- tables that depend on the unit costs alpha (rebuilt by eq. 21) ---------
@@ -86,6 +99,51 @@ class SetLevelRouter:
         self._lookahead = [[k * x for x in row] for row in la]
         self._agg_cache = [dict() for _ in range(c.shape.n_layers)]
         self._agg_fns: dict = {}
+        # the compiled kernel's copies of the weighted tables
+        N = c.cluster.n
+        self._tr_a = np.array(self._trans, dtype=np.float64).reshape(N, N)
+        home_rows = [[k * self._trans[n][h] for n in range(N)] for h in range(N)]
+        self._la_home = len(self._lookahead)
+        self._la_a = np.array(self._lookahead + home_rows, dtype=np.float64)
+        self._kernel_params()
+
+    def _kernel_params(self) -> None:
+        """The kernel's knobs, rebuilt whenever ``params`` is replaced."""
+        p, w = self.params, self.weights
+        self._fp_of, self._use_kernel = p, p.compiled
+        self._fp = np.array([0.0, p.window_s, self._lambda, w.off, w.cq, self._cq,
+                             p.local_threshold_s], dtype=np.float64)
+        self._ip = np.array([0, 0, p.enum_limit, p.beam_width, int(p.set_level),
+                             int(p.fast_path), int(p.exchange), 0, self._twin_off], dtype=np.int64)
+
+    def _build_tables(self) -> None:
+        """Flat candidate tables for ``compiled.route_kernel`` (layout in its docstring)."""
+        n_exp = len(self._exact)
+        cands: list[Candidate] = []
+        pools = np.zeros((n_exp, 3, 2), dtype=np.int64)
+        for e in range(n_exp):
+            for kind, group in enumerate((self._exact[e], self._subs[e], self._fallback[e])):
+                pools[e, kind] = (len(cands), len(cands) + len(group))
+                cands.extend(group)
+        self._twin_off = -1
+        if self._marg:
+            self._twin_off = len(cands)
+            cands = cands + [self._marg[id(x)] for x in cands]
+        self._cands = cands
+        gpu = self.cost.rep_gpu
+        self._ctab = np.array([(x.server, x.replica, x.mode, float(x.guarded), x.load, x.comp,
+                                x.svc, x.dq, float(gpu[x.replica])) for x in cands],
+                              dtype=np.float64).reshape(-1, 9)
+        self._pools = pools
+        self._last = self.cost.shape.n_layers - 1
+        self._new_scratch()
+
+    def _new_scratch(self) -> None:
+        """Per-decider buffers of the kernel (sized on first use per k)."""
+        N = self.cost.cluster.n
+        self._bufs: dict[tuple, tuple] = {}
+        self._pending = np.zeros(len(self.cost.deployment.replicas), dtype=np.bool_)
+        self._reach = np.ones((N + 1, N), dtype=np.bool_)
 
     def _build_candidates(self) -> None:
         """Candidate objects per expert; independent of the unit costs."""
@@ -174,6 +232,46 @@ class SetLevelRouter:
 
     # -- Algorithm 2, lines 4-29 -----------------------------------------------
     def route(self, tok: TokenView, targets: tuple[int, ...], view: StateView) -> Assignment:
+        if self.params is not self._fp_of:
+            self._kernel_params()
+        if not self._use_kernel:
+            return self.route_reference(tok, targets, view)
+        k = len(targets)
+        bufs = self._bufs.get(targets)
+        if bufs is None:
+            bufs = self._bufs[targets] = (np.array(targets, dtype=np.int64),
+                                          np.zeros(3 * k + 3, dtype=np.int64))
+        tgt, out = bufs
+        layer = tok.layer
+        la_row = layer + 1 if layer < self._last else self._la_home + tok.home
+        reach = self._reach
+        if not view.faultless:
+            reach = np.ones_like(reach)
+            reach[0] = view.alive
+            if view.link_up is not None:
+                reach[1:] = view.link_up
+        pending = self._pending
+        if self._twin_off >= 0:
+            pending[:] = False
+            now = tok.now
+            for r, t in view.pending.items():
+                if t > now:
+                    pending[r] = True
+        delay, dq = route_kernel(self._ctab, self._pools, self._tr_a, self._la_a, tgt,
+                                 view.backlog, view.admitted, reach, pending, self._fp, self._ip,
+                                 out, tok.server, la_row, tok.lam_max - tok.lam_acc,
+                                 view.faultless)
+        o = out.tolist()
+        self.evaluations += o[2 * k + 1]
+        if o[2 * k + 2]:
+            if o[2 * k + 2] == 1:
+                raise Unroutable(f"no reachable full-precision replica of expert {o[0]}")
+            raise Unroutable("fallback assignment infeasible")  # pragma: no cover - Property 1
+        return Assignment(tuple(targets), tuple(o[:k]), tuple(o[k:2 * k]), o[2 * k], dq, delay)
+
+    def route_reference(self, tok: TokenView, targets: tuple[int, ...], view: StateView
+                        ) -> Assignment:
+        """The readable Python implementation the kernel is a port of."""
         theta = tok.server
         slack = tok.lam_max - tok.lam_acc
         cands: list[list[Candidate]] = []
