@@ -5,18 +5,26 @@
   at its home server and follows its own routing, so the mix of fast-path,
   enumeration and beam search is the one a run sees), with a view whose
   backlogs are drawn around one scheduling window.
+  ``router_decisions_per_s_reference`` is the same for the Python reference
+  (``Alg2Params(compiled=False)``), which decides identically.
 - ``sim_token_layers_per_s``: token-layers per second of the discrete-event
   backend end to end (routing, events, records), Mixtral at the paper's load,
   under each physics (the hardware world drains a backlog after the arrivals).
+- ``fig9_full``: one run of the full-scale Fig. 9 sim sweep (its largest point,
+  HetRoute at 80 req/s), timed, and the whole sweep's time extrapolated from it
+  by the ratio of measured to estimated time (what ``sweep --dry-run`` prints).
 
-Floors from the issue: 20,000 of each; aim 100,000.
+Targets (issue 16): Mixtral >= 200,000 and Qwen >= 50,000 decisions/s, the simulator
+>= 200,000 token-layers/s; floors of the earlier issues: 20,000 of each.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +40,7 @@ from .spec import parse_spec
 FLOOR = 20_000
 
 
-def _decisions(model: str, tokens: int, seed: int = 11) -> dict:
+def _decisions(model: str, tokens: int, seed: int = 11, reference: bool = False) -> dict:
     spec = parse_spec({"name": f"bench-{model}", "workload": {"model": model, "duration_s": 1.0,
                                                               "warmup_s": 0.1}})
     setup = build_setup(spec)
@@ -44,6 +52,9 @@ def _decisions(model: str, tokens: int, seed: int = 11) -> dict:
     view = StateView(N)
     view.backlog[:] = [float(x) for x in rng.exponential(0.5 * spec.window_s, N)]
     router = setup.router.decider(0)
+    if reference:
+        eng = router.engine
+        eng.params = dataclasses.replace(eng.params, compiled=False)
     route = router.route
     T, L, _ = traffic.targets.shape
     jobs = []
@@ -79,6 +90,24 @@ def _sim(duration_s: float, physics: str) -> dict:
             "per_s": round(st.token_layers / dt), "sim_time_s": round(st.sim_time_s, 3)}
 
 
+def _fig9_full() -> dict:
+    """Time the full-scale Fig. 9 sim sweep's largest run; extrapolate the sweep."""
+    from .runner import run_experiment
+    from .sweep import default_jobs, estimate_s, expand, figure_path, load_figure
+    with tempfile.TemporaryDirectory() as tmp:
+        points = expand(load_figure(figure_path(9)), "sim", "full", Path(tmp))
+        big = max((p for p in points if p.values["router.name"] == "hetroute"), key=estimate_s)
+        t0 = time.perf_counter()
+        run_experiment(big.spec, big.out_dir, progress=False)
+        dt = time.perf_counter() - t0
+    est = sum(estimate_s(p) for p in points)
+    ratio = dt / estimate_s(big)
+    jobs = default_jobs()
+    return {"point": big.key, "run_s": round(dt, 1), "estimated_run_s": round(estimate_s(big), 1),
+            "sweep_runs": len(points), "jobs": jobs,
+            "sweep_estimate_s": round(est / jobs), "sweep_extrapolated_s": round(est * ratio / jobs)}
+
+
 def main() -> None:
     out = Path("results")
     out.mkdir(exist_ok=True)
@@ -87,15 +116,24 @@ def main() -> None:
     dec = {m: _decisions(m, 400) for m in ("mixtral-8x7b", "qwen1.5-moe-a2.7b")}
     res["router_decisions"] = dec
     res["router_decisions_per_s"] = {m: d["per_s"] for m, d in dec.items()}
+    res["router_decisions_per_s_reference"] = {
+        m: _decisions(m, 100, reference=True)["per_s"] for m in dec}
     res["sim"] = {p: _sim(3.0, p) for p in ("hardware", "paper")}
     res["sim_token_layers_per_s"] = {p: r["per_s"] for p, r in res["sim"].items()}
+    res["fig9_full"] = _fig9_full()
     (out / "bench.json").write_text(json.dumps(res, indent=2))
     for m, v in res["router_decisions_per_s"].items():
-        floor = f"floor {FLOOR:,}" if m.startswith("mixtral") else "no floor: the issue sets one for the Mixtral shape"
-        print(f"router_decisions_per_s[{m}] = {v:,}  ({floor})")
+        target = 200_000 if m.startswith("mixtral") else 50_000
+        print(f"router_decisions_per_s[{m}] = {v:,}  (target {target:,}; Python reference "
+              f"{res['router_decisions_per_s_reference'][m]:,})")
     for p, sim in res["sim"].items():
-        print(f"sim_token_layers_per_s[physics={p}] = {sim['per_s']:,}  (floor {FLOOR:,}; "
-              f"{sim['token_layers']:,} token-layers in {sim['seconds']} s)")
+        print(f"sim_token_layers_per_s[physics={p}] = {sim['per_s']:,}  (floor {FLOOR:,}, "
+              f"target 200,000; {sim['token_layers']:,} token-layers in {sim['seconds']} s)")
+    f9 = res["fig9_full"]
+    print(f"fig9 full sim sweep: one run ({f9['point']}) {f9['run_s']} s (estimated "
+          f"{f9['estimated_run_s']} s); {f9['sweep_runs']} runs on {f9['jobs']} jobs: "
+          f"~{f9['sweep_extrapolated_s'] / 60:.0f} min (dry-run estimate "
+          f"{f9['sweep_estimate_s'] / 60:.0f} min; target 15 min)")
     print("written: results/bench.json")
 
 

@@ -218,9 +218,9 @@ class SetLevelRouter:
         return agg
 
     def _admissible(self, pool, theta: int, slack: float, view: StateView,
-                    now: float = 0.0) -> list[Candidate]:
+                    now: float = 0.0, admitted: list[float] | None = None) -> list[Candidate]:
         """Guards (18) and (19) and reachability, candidate by candidate."""
-        bl, cap = view.admitted, self.params.window_s
+        bl, cap = view.admitted if admitted is None else admitted, self.params.window_s
         if self._marg and view.pending:
             pend, twin = view.pending, self._marg
             pool = [twin[id(c)] if pend.get(c.replica, -1.0) > now else c for c in pool]
@@ -274,28 +274,28 @@ class SetLevelRouter:
         """The readable Python implementation the kernel is a port of."""
         theta = tok.server
         slack = tok.lam_max - tok.lam_acc
+        bl, adm = view.backlog.tolist(), view.admitted.tolist()  # Python floats: faster here
         cands: list[list[Candidate]] = []
         missing = False
         for e in targets:  # lines 5-15: exact first, substitutes only if none admissible
-            cl = self._admissible(self._exact[e], theta, slack, view, tok.now)
+            cl = self._admissible(self._exact[e], theta, slack, view, tok.now, adm)
             if not cl:
-                cl = self._admissible(self._subs[e], theta, slack, view, tok.now)
+                cl = self._admissible(self._subs[e], theta, slack, view, tok.now, adm)
             if not cl:
                 missing = True
             cands.append(cl)
         p = self.params
         if (not missing and p.fast_path and p.set_level
-                and view.backlog[theta] <= p.local_threshold_s):
-            fast = self._dominance(cands, targets, theta, slack, view)
+                and bl[theta] <= p.local_threshold_s):
+            fast = self._dominance(cands, targets, theta, slack, bl, adm)
             if fast is not None:
                 return fast
         cq = self._cq
-        bl = view.backlog
         w = self.weights
         agg_fn, pair_agg = self._aggregator_fn(tok.layer, tok.home)
         problem = LayerProblem(theta=theta, cands=cands, trans=self._trans,
                                queue=bl if cq == 1.0 else [cq * x for x in bl],
-                               backlog=view.admitted,
+                               backlog=adm,
                                capacity=p.window_s, slack=slack, lambda_q=self._lambda,
                                aggregator=agg_fn, w_off=w.off, w_cq=w.cq, pair_agg=pair_agg)
         best = None
@@ -337,7 +337,7 @@ class SetLevelRouter:
         return chosen_t, ev
 
     def _dominance(self, cands: list[list[Candidate]], targets, theta: int, slack: float,
-                   view: StateView) -> Assignment | None:
+                   bl: list[float], adm: list[float]) -> Assignment | None:
         """Lines 17-18: every target has an admissible GPU-resident exact replica on
         theta, and executing all of them there is provably no worse than any
         assignment that uses a remote server. Such an assignment pays fan-out to
@@ -357,16 +357,15 @@ class SetLevelRouter:
         w = self.weights
         wo, wc, cq = w.off, w.cq, self._cq
         dq = svc = 0.0
-        delay = cq * view.backlog[theta]
+        delay = cq * bl[theta]
         for c in local:
             dq += c.dq
             svc += c.svc
             delay += wo * c.load + wc * c.comp
-        if dq > slack + 1e-12 or view.admitted[theta] + svc > self.params.window_s:
+        if dq > slack + 1e-12 or adm[theta] + svc > self.params.window_s:
             return None
         objective = delay + self._lambda * dq
         row = self._trans[theta]
-        bl = view.backlog
         for options in cands:
             for c in options:
                 n = c.server
