@@ -13,6 +13,29 @@ Modelling choices (documented in the README):
   FLOP backlog divided by F_n and also covers pending GPU-CPU loads.
 - The four components carry the adaptive unit costs alpha_j of eq. (21) as
   multipliers ``CostWeights`` (mean 1, so equal alphas leave eq. (9) unchanged).
+
+What is optimised, and two parts of the paper's formulation that are not implemented
+(also in the README, "Modelling choices where the paper is silent"):
+- Algorithm 2 minimises, per token-layer, D_{i,l} of eq. (10) plus lambda_q times the
+  layer's quality increment sum(dq): the per-layer share of P0's objective
+  D_i^tot + lambda Lambda_i (the paper's P_{i,l} writes only D_{i,l}; its eq. (9) and P0
+  carry the quality price). Algorithm 1's benefits are expectations of the same cost.
+- P1's weighted utility U of eq. (12) (omega_T, omega_Lambda, D_i^ref) is not
+  implemented: neither algorithm uses it and the paper does not evaluate it. For one
+  token with fixed D_i^ref and Lambda_i^max, minimising
+  omega_T D_i^tot / D_i^ref + omega_Lambda Lambda_i / Lambda_i^max is minimising
+  D_i^tot + lambda_i Lambda_i with lambda_i = (omega_Lambda / omega_T) D_i^ref / Lambda_i^max,
+  i.e. P1 is P0 with a per-token quality price; the testbed uses one price, lambda_q.
+  D_i^ref, the delay of the token under pure home-server full-precision execution, would
+  need a second, counterfactual run of every token.
+- Constraint (c.10), the per-window bound on the work admitted to a server summed over
+  all tokens, is said to be "enforced at the placement stage", but Algorithm 1 has no
+  step for it and a placement does not know the arrival rate. Only its online form is
+  enforced: guard (19) in Algorithm 2, per decider, on the seconds of stream time
+  (offload + compute) the decider admitted to the server in the current window; other
+  deciders' admissions show up as backlog at the next refresh, and the emergency
+  fallback relaxes the guard as the paper says. Overload then shows as queueing delay
+  (Q_n/F_n), not as infeasibility.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from hetroute.cost import CostModel
 from hetroute.deployment import Deployment, Replica
 from hetroute.quality import QualityModel, prior_quality
 from hetroute.routing.algorithm2 import Alg2Params, SetLevelRouter
+from hetroute.state import StateView, TokenView
 from hetroute.system import Cluster, MoEShape, Precision
 
 MB = 1e6
@@ -58,3 +59,35 @@ def quality_with_loss(sh: MoEShape, scale: float) -> QualityModel:
     base = prior_quality(sh, seed=3)
     return QualityModel(q=base.q * scale,
                         substitutes=tuple(tuple((e, l * scale) for e, l in g) for g in base.substitutes))
+
+
+# -- what a router chose, recomputed from the chosen replicas (not its self-report) --------
+
+def recompute(cost: CostModel, tok: TokenView, targets, a, view: StateView,
+              lam_q: float | None = None):
+    """(dq, D_{i,l}, D + lambda_q * dq) of assignment ``a`` from its replicas alone:
+    dq by ``QualityModel.increment`` per target (exact, substitute or fallback alike),
+    D_{i,l} by eq. (10) (``CostModel.layer_delay``) to the aggregator the router
+    named, at unit costs alpha = 1 (the routers here keep the default weights)."""
+    q = cost.quality
+    dq = 0.0
+    for e, r in zip(targets, a.replicas):
+        rep = cost.deployment.replicas[r]
+        dq += q.increment(e, rep.expert, rep.precision)
+    delay = cost.layer_delay(tok.server, tuple(a.replicas), view.backlog, a.next_server)
+    lam = cost.lambda_q if lam_q is None else lam_q
+    return dq, delay, delay + lam * dq
+
+
+def check_aggregator(cost: CostModel, tok: TokenView, a, popularity=None) -> None:
+    """next_server is a participant minimising eq. (11) (gather + lookahead)."""
+    servers = tuple(sorted({cost.rep_server[r] for r in a.replicas}))
+    assert a.next_server in servers
+    if tok.layer == cost.shape.n_layers - 1:
+        la = [cost.trans[n][tok.home] for n in range(cost.cluster.n)]
+    else:
+        la = cost.lookahead_table(popularity)[tok.layer + 1]
+
+    def eq11(n):
+        return sum(cost.trans[m][n] for m in servers if m != n) + la[n]
+    assert eq11(a.next_server) <= min(eq11(n) for n in servers) + 1e-12

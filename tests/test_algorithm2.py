@@ -108,10 +108,14 @@ def test_property1_budget_and_completeness(seed):
                         for x in rng.choice(sh.experts_per_layer, size=sh.top_k, replace=False))
         a = r.route(tok, targets, view)
         _check_assignment(dep, q, targets, a)
-        assert tok.lam_acc + a.dq <= tok.lam_max + 1e-12
+        # dq and D_{i,l} from the chosen replicas, not from the router's report
+        dq, delay, _ = F.recompute(cost, tok, targets, a, view)
+        assert tok.lam_acc + dq <= tok.lam_max + 1e-12
+        assert a.dq == pytest.approx(dq, rel=1e-9, abs=1e-15)
+        assert a.est_delay == pytest.approx(delay, rel=1e-9, abs=1e-15)
         assert len({dep.replicas[x].server for x in a.replicas}) <= sh.top_k  # Property 2
-        assert a.next_server in {dep.replicas[x].server for x in a.replicas}
-        tok.lam_acc += a.dq
+        F.check_aggregator(cost, tok, a)  # a participant, by eq. (11)
+        tok.lam_acc += dq
         tok.server = a.next_server
 
 
@@ -128,8 +132,16 @@ def test_property3_enumeration_is_brute_force_optimum(seed):
     best = min(_objective(cost, c, tok.server, view, tok.layer, tok.home) for c in feas)
     a = r.route(tok, targets, view)
     assert a.modes.count(Mode.FALLBACK) == 0
-    got = a.est_delay + 0.5 * a.dq
+    _check_assignment(dep, q, targets, a)
+    # the objective of the replicas it chose, recomputed (eq. 10 + lambda_q * dq)
+    chosen = [(x, q.increment(e, dep.replicas[x].expert, dep.replicas[x].precision))
+              for e, x in zip(targets, a.replicas)]
+    assert _feasible(cost, chosen, view, slack, cap)
+    F.check_aggregator(cost, tok, a)
+    dq, delay, got = F.recompute(cost, tok, targets, a, view)
     assert got == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert a.dq == pytest.approx(dq, rel=1e-9, abs=1e-15)
+    assert a.est_delay == pytest.approx(delay, rel=1e-9, abs=1e-15)
 
 
 @SETTINGS

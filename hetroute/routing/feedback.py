@@ -9,6 +9,11 @@ Target shares are not given by the paper. We use the shares observed in the
 first window with traffic (``targets=None``), so alphas only move when the mix
 drifts away from where the run started, e.g. when load makes queueing the
 bottleneck. Explicit targets can be passed instead.
+
+The denominator of eq. (21) as printed has no [.]_+; with alphas on the simplex and
+shares summing to 1 it equals 1 identically, so clipped numerators would leave the
+simplex. We divide by the sum of the clipped terms, which puts alphas back on the
+simplex as the paper's text says (``tests/test_feedback.py`` has the numbers).
 """
 
 from __future__ import annotations
