@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hetroute.cost import CostModel
 from hetroute.deployment import Deployment, Replica
@@ -12,6 +13,16 @@ from hetroute.state import StateView, TokenView
 from hetroute.system import Cluster, MoEShape, Precision
 
 MB = 1e6
+
+
+@pytest.fixture(params=["compiled", "reference"])
+def engine(request, monkeypatch):
+    """Run a test module's routing tests on both implementations of Algorithm 2: the numba
+    kernel every run uses and the Python reference it ports (``route_reference``). Use as
+    ``pytestmark = pytest.mark.usefixtures("engine")`` with ``from .factories import engine``."""
+    if request.param == "reference":
+        monkeypatch.setattr(SetLevelRouter, "route", SetLevelRouter.route_reference)
+    return request.param
 
 
 def shape(n_layers: int = 2, experts: int = 4, top_k: int = 2, d_model: int = 1024) -> MoEShape:

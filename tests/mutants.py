@@ -37,12 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ALG2 = "hetroute/routing/algorithm2.py"
+KERNEL = "hetroute/routing/compiled.py"
 SEARCH = "hetroute/routing/search.py"
 FEEDBACK = "hetroute/routing/feedback.py"
 ALG1 = "hetroute/placement/algorithm1.py"
 DEPLOYMENT = "hetroute/deployment.py"
 
-T_ALG2 = ("tests/test_algorithm2.py", "tests/test_routing_search.py")
+# both modules run every test on the compiled kernel and on the Python reference
+T_ALG2 = ("tests/test_algorithm2.py", "tests/test_routing_search.py",
+          "tests/test_decision_equivalence.py::test_compiled_equals_reference_on_random_instances")
 T_ALG1 = ("tests/test_algorithm1.py",)
 T_FEEDBACK = ("tests/test_feedback.py",)
 T_DEPLOYMENT = ("tests/test_deployment.py", "tests/test_algorithm1.py",
@@ -127,6 +130,34 @@ MUTANTS = [
            SEARCH, "best[0], best[1], best[2], best[3] = obj, delay, agg, tuple(chosen)",
            "best[0], best[1], best[2], best[3] = obj, delay, agg, best[3] or tuple(chosen)",
            T_ALG2),
+    # -- the same bugs in the compiled kernel every run uses ------------------------------
+    Mutant("kernel_fast_path_unchecked",
+           "compiled: the fast path returns the local set without checking remote alternatives",
+           KERNEL, "if n != theta and tr[theta, n] + cq * backlog[n] + wo * ctab[c, LOAD] + wc * ctab[c, COMP] < objective:",
+           "if False:", T_ALG2),
+    Mutant("kernel_beam_keeps_worst",
+           "compiled: the beam ranks children by decreasing objective (keeps the worst)",
+           KERNEL, 'rank = np.argsort(C_obj[:nc], kind="mergesort")',
+           'rank = np.argsort(C_obj[:nc], kind="mergesort")[::-1].copy()', T_ALG2),
+    Mutant("kernel_beam_width_one",
+           "compiled: the router calls the beam with width 1 instead of B",
+           KERNEL, "ev = _beam(ctab, buf, counts, k, ip[3], theta",
+           "ev = _beam(ctab, buf, counts, k, 1, theta", T_ALG2),
+    Mutant("kernel_beam_below_enum_limit",
+           "compiled: the router beams even when the candidate product is at most R",
+           KERNEL, "    if size <= ip[2]:\n        return _enumerate(",
+           "    if False:\n        return _enumerate(", T_ALG2),
+    Mutant("kernel_fallback_all_targets",
+           "compiled: every target falls back when only one lacks a candidate",
+           KERNEL, "if n_empty > 0 and n_empty < k:", "if False:", T_ALG2),
+    Mutant("kernel_reports_zero_dq",
+           "compiled: route reports dq = 0 whatever it chose",
+           KERNEL, "        dq += ctab[c, DQ]\n    out[2 * k] = int(res[2])",
+           "        dq += 0.0\n    out[2 * k] = int(res[2])", T_ALG2),
+    Mutant("kernel_no_stability_guard",
+           "compiled: candidates are admitted without guard (19)",
+           KERNEL, "if ctab[c, DQ] <= slack_eps and admitted[s] + ctab[c, SVC] <= cap:",
+           "if ctab[c, DQ] <= slack_eps:", T_ALG2),
     # -- feedback rule (21) -------------------------------------------------------------
     Mutant("feedback_sign",
            "eq. (21) with the sign flipped: a component over its target share gets cheaper",
@@ -190,7 +221,9 @@ COPY = ("hetroute", "tests", "pyproject.toml")
 
 
 def _copy(root: Path, dst: Path) -> None:
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis")
+    # __pycache__ is kept: it holds numba's compiled kernels (valid while their source is
+    # unchanged), so only a mutant of compiled.py pays the ~25 s compile
+    ignore = shutil.ignore_patterns(".hypothesis")
     for name in COPY:
         src = root / name
         if src.is_dir():

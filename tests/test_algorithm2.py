@@ -17,6 +17,9 @@ from hetroute.state import Mode, StateView, TokenView
 from hetroute.system import Cluster, Precision
 
 from . import factories as F
+from .factories import engine  # noqa: F401 - the fixture below
+
+pytestmark = pytest.mark.usefixtures("engine")  # every test on both implementations
 
 SETTINGS = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

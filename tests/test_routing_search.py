@@ -29,6 +29,9 @@ from hetroute.state import Mode, StateView, TokenView
 from hetroute.system import Cluster, Precision
 
 from . import factories as F
+from .factories import engine  # noqa: F401 - the fixture below
+
+pytestmark = pytest.mark.usefixtures("engine")  # every test on both implementations
 from .factories import check_aggregator, recompute
 
 SETTINGS = settings(max_examples=150, deadline=None,
