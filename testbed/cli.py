@@ -59,7 +59,7 @@ def run(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
         _fail(str(err))
         return
     except KeyboardInterrupt as err:
-        typer.echo(f"interrupted ({err or 'SIGINT'}): run.json says interrupted; "
+        typer.echo(f"interrupted ({str(err) or 'SIGINT'}): run.json says interrupted; "
                    f"records written so far are kept", err=True)
         raise typer.Exit(130) from None
     typer.echo(format_table({s.router.name: res.metrics}))
@@ -126,7 +126,7 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
         return
     except KeyboardInterrupt as err:
         what = "Ray tasks are" if executor == "ray" else "pool is"
-        typer.echo(f"interrupted ({err or 'SIGINT'}): the {what} stopped; run the same "
+        typer.echo(f"interrupted ({str(err) or 'SIGINT'}): the {what} stopped; run the same "
                    f"command again to resume (finished points are skipped)", err=True)
         raise typer.Exit(130) from None
     for path, err in summary["failed"]:
