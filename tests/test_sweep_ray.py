@@ -2,14 +2,16 @@
 
 The Fig. 2 smoke sweep on the simulator, run by the ray executor and SIGKILLed after its
 first finished point, resumes without redoing that point, leaves no process of its Ray
-instance behind, and ends with the local executor's results byte for byte. A failed point
-is reported as the local executor reports it. The option checks need no Ray.
+instance behind, and ends with the local executor's results byte for byte. SIGTERM stops
+the tasks and the instance. A failed point is reported as the local executor reports it.
+The option checks need no Ray.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -46,6 +48,28 @@ def _complete(results: Path) -> dict[Path, bytes]:
             if b'"status": "complete"' in p.read_bytes()}
 
 
+def _start_ray_sweep(results: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """The Fig. 2 sweep on a local Ray instance, once its first point is complete, and
+    every process it started (Ray's included)."""
+    p = subprocess.Popen([*SWEEP, "--results", str(results), "--executor", "ray"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tree: dict[int, psutil.Process] = {}
+    names: set[str] = set()
+    deadline = time.monotonic() + 150
+    while not _complete(results):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no point finished"
+        try:
+            for c in psutil.Process(p.pid).children(recursive=True):
+                tree[c.pid] = c
+                names.add(c.name())
+        except psutil.Error:
+            pass
+        time.sleep(0.2)
+    assert {"raylet", "gcs_server"} <= names, names  # it runs on a local Ray instance
+    return p, list(tree.values())
+
+
 @pytest.mark.slow
 def test_ray_sweep_resumes_after_sigkill_and_equals_local(tmp_path: Path) -> None:
     pytest.importorskip("ray", reason="pip install 'hetroute-testbed[ray]' (in the test extra)")
@@ -56,25 +80,10 @@ def test_ray_sweep_resumes_after_sigkill_and_equals_local(tmp_path: Path) -> Non
     # and differ by a microsecond here and there, so the ray sweep starts from the same cache
     shutil.copytree(local / ".placements", ray / ".placements")
 
-    p = subprocess.Popen([*SWEEP, "--results", str(ray), "--executor", "ray"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    tree: dict[int, psutil.Process] = {}  # every process the sweep started, Ray's included
-    names: set[str] = set()
-    deadline = time.monotonic() + 150
-    while not _complete(ray):
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no point finished"
-        try:
-            for c in psutil.Process(p.pid).children(recursive=True):
-                tree[c.pid] = c
-                names.add(c.name())
-        except psutil.Error:
-            pass
-        time.sleep(0.2)
+    p, tree = _start_ray_sweep(ray)
     p.kill()
     p.wait(timeout=10)
-    assert {"raylet", "gcs_server"} <= names, names  # it ran on a local Ray instance
-    _, alive = psutil.wait_procs(list(tree.values()), timeout=10)
+    _, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive, [(a.pid, a.name()) for a in alive]  # the guard took Ray's agents along
 
     done = _complete(ray)
@@ -86,6 +95,18 @@ def test_ray_sweep_resumes_after_sigkill_and_equals_local(tmp_path: Path) -> Non
     a, b = _files(local), _files(ray)
     assert a.keys() == b.keys()
     assert [f for f in a if a[f] != b[f]] == []
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_ray_tasks_and_the_instance(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="pip install 'hetroute-testbed[ray]' (in the test extra)")
+    p, tree = _start_ray_sweep(tmp_path)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "interrupted (signal SIGTERM)" in err, err[-2000:]
+    _, alive = psutil.wait_procs(tree, timeout=5)
+    assert not alive, [(a.pid, a.name()) for a in alive]
+    assert 1 <= len(_complete(tmp_path)) < 5  # the rest was stopped, to be redone next time
 
 
 FAILING = {"figure": 96, "title": "one point cannot place",
