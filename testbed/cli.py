@@ -59,7 +59,7 @@ def run(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
         _fail(str(err))
         return
     except KeyboardInterrupt as err:
-        typer.echo(f"interrupted ({err or 'SIGINT'}): run.json says interrupted; "
+        typer.echo(f"interrupted ({str(err) or 'SIGINT'}): run.json says interrupted; "
                    f"records written so far are kept", err=True)
         raise typer.Exit(130) from None
     typer.echo(format_table({s.router.name: res.metrics}))
@@ -101,7 +101,13 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
           spec: Path | None = typer.Option(None, help="a figure spec file instead of figN"),
           quiet: bool = typer.Option(False),
           dry_run: bool = typer.Option(False, help="only print how many runs are left and the estimate"),
-          physics: str = typer.Option("hardware", help="the world: hardware (default) or paper")
+          physics: str = typer.Option("hardware", help="the world: hardware (default) or paper"),
+          executor: str = typer.Option("local", help="local (a process pool here) or ray "
+                                       "(Ray tasks; a local Ray instance of --jobs CPUs "
+                                       "unless --address)"),
+          address: str | None = typer.Option(None, help="with --executor ray: a running Ray "
+                                             "cluster, 'auto' or HOST:PORT; --results must "
+                                             "then be on a filesystem every node shares")
           ) -> None:
     """Run every point of a figure's sweep that is not already done."""
     from .sweep import default_jobs, figure_path, load_figure, run_sweep
@@ -111,14 +117,16 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
         f = load_figure(spec or figure_path(fig))
         with sigterm_as_interrupt():
             summary = run_sweep(f, backend, scale, results, jobs or default_jobs(),  # type: ignore[arg-type]
-                                progress=not quiet, dry_run=dry_run, physics=physics)
+                                progress=not quiet, dry_run=dry_run, physics=physics,
+                                executor=executor, address=address)
         if dry_run:
             return
     except SpecError as err:
         _fail(str(err))
         return
     except KeyboardInterrupt as err:
-        typer.echo(f"interrupted ({err or 'SIGINT'}): the pool is stopped; run the same "
+        what = "Ray tasks are" if executor == "ray" else "pool is"
+        typer.echo(f"interrupted ({str(err) or 'SIGINT'}): the {what} stopped; run the same "
                    f"command again to resume (finished points are skipped)", err=True)
         raise typer.Exit(130) from None
     for path, err in summary["failed"]:

@@ -7,7 +7,9 @@ into ``results/figN/<backend>-<scale>/<point>/seed<k>/`` under the default
 ``physics: hardware`` and ``results/figN/<backend>-<scale>-paper/...`` under
 the paper's world (``--physics paper``). A point whose folder
 holds a complete run of the identical resolved spec is skipped, so a killed
-sweep loses nothing finished and a re-run only does what is missing.
+sweep loses nothing finished and a re-run only does what is missing. Points run in a
+local process pool (``--executor local``) or as Ray tasks (``--executor ray``, on a local
+Ray instance or a running cluster; testbed/ray_executor.py) under the same rules.
 """
 
 from __future__ import annotations
@@ -192,23 +194,74 @@ def _run_one(p: Point, cache: Path | None = None) -> tuple[str, float]:
     return str(p.out_dir), time.perf_counter() - t0
 
 
+EXECUTORS = ("local", "ray")
+
+
 def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: int = 1,
-              progress: bool = True, dry_run: bool = False, physics: str = "hardware") -> dict:
-    """Run the points not done yet; ``dry_run`` only counts them and estimates the time."""
+              progress: bool = True, dry_run: bool = False, physics: str = "hardware",
+              executor: str = "local", address: str | None = None) -> dict:
+    """Run the points not done yet; ``dry_run`` only counts them and estimates the time.
+
+    ``executor``: ``local`` (a process pool of ``jobs``) or ``ray`` (Ray tasks on a local
+    instance of ``jobs`` CPUs, or on the running cluster at ``address``:
+    testbed/ray_executor.py). Both skip the same points, show the same progress and
+    report a failed point the same way.
+    """
+    check_executor(executor, backend, address)
     points = expand(fig, backend, scale, results, physics)
     todo = [p for p in points if not done(p)]
-    est = sum(estimate_s(p) for p in todo) / max(1, jobs if backend == "sim" else 1)
-    summary = {"figure": fig.figure, "backend": backend, "scale": scale, "physics": physics,
-               "points": len(points),
-               "skipped": len(points) - len(todo), "estimate_s": round(est)}
-    if progress:
-        print(f"fig{fig.figure} [{backend}/{scale}/{physics}]: {len(points)} runs, {summary['skipped']} "
-              f"already done, estimated {_hms(est)} for the rest")
-    if dry_run:
-        return summary | {"wall_s": 0.0, "failed": []}
-    cache = results / ".placements"
-    bar = tqdm(total=len(todo), unit="run", disable=not progress, desc=f"fig{fig.figure}")
-    t0 = time.perf_counter()
+    ray = None
+    if executor == "ray" and todo and not dry_run:
+        from .ray_executor import RaySession
+        ray = RaySession(jobs, address)
+    try:
+        if ray is not None:
+            ray.start()  # inside: a Ctrl-C while Ray starts still stops what it started
+        slots = ray.slots if ray is not None else jobs
+        est = sum(estimate_s(p) for p in todo) / max(1, slots if backend == "sim" else 1)
+        summary = {"figure": fig.figure, "backend": backend, "scale": scale, "physics": physics,
+                   "points": len(points),
+                   "skipped": len(points) - len(todo), "estimate_s": round(est)}
+        if progress:
+            print(f"fig{fig.figure} [{backend}/{scale}/{physics}]: {len(points)} runs, "
+                  f"{summary['skipped']} already done, estimated {_hms(est)} for the rest")
+        if dry_run:
+            return summary | {"wall_s": 0.0, "failed": []}
+        cache = results / ".placements"
+        bar = tqdm(total=len(todo), unit="run", disable=not progress, desc=f"fig{fig.figure}")
+        t0 = time.perf_counter()
+        failed = ray.run(todo, cache, bar) if ray is not None else \
+            _run_local(todo, jobs, backend, cache, bar)
+        bar.close()
+    finally:
+        if ray is not None:
+            ray.stop()
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    summary["failed"] = failed
+    root = sweep_dir(results, fig.figure, backend, scale, physics)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sweep.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def check_executor(executor: str, backend: str, address: str | None) -> None:
+    """One-line SpecError for an executor that cannot run this sweep, before any work."""
+    if executor not in EXECUTORS:
+        raise SpecError(f"executor: one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if address is not None and executor != "ray":
+        raise SpecError("address: only with --executor ray (the local executor runs here)")
+    if executor == "ray":
+        if backend != "sim":
+            raise SpecError("executor ray: the sim backend only (an emulated run needs a "
+                            "whole host, as root)")
+        from .ray_executor import import_ray
+        import_ray()
+
+
+def _run_local(todo: list[Point], jobs: int, backend: str, cache: Path,
+               bar: tqdm) -> list[tuple[str, str]]:
+    """The local executor: a process pool of ``jobs`` (sim), else one run after another;
+    (folder, error) of each point that failed."""
     failed = []
     if jobs > 1 and backend == "sim" and len(todo) > 1:
         # pool processes die with the sweep, and any signal stops the pool (issue 14)
@@ -233,13 +286,7 @@ def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: 
             except (SpecError, RuntimeError, OSError) as err:
                 failed.append((str(p.out_dir), repr(err)))
             bar.update(1)
-    bar.close()
-    summary["wall_s"] = round(time.perf_counter() - t0, 1)
-    summary["failed"] = failed
-    root = sweep_dir(results, fig.figure, backend, scale, physics)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "sweep.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return failed
 
 
 def _stop_pool(ex: ProcessPoolExecutor) -> None:
