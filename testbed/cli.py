@@ -110,6 +110,7 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
                                              "then be on a filesystem every node shares")
           ) -> None:
     """Run every point of a figure's sweep that is not already done."""
+    from .runner import TRACEBACK
     from .sweep import default_jobs, figure_path, load_figure, run_sweep
     if backend not in ("sim", "emu") or scale not in ("smoke", "quick", "full"):
         _fail(f"backend must be sim|emu and scale smoke|quick|full, got {backend}/{scale}")
@@ -130,7 +131,9 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
                    f"command again to resume (finished points are skipped)", err=True)
         raise typer.Exit(130) from None
     for path, err in summary["failed"]:
-        typer.echo(f"failed: {path}: {err}", err=True)
+        tb = Path(path) / TRACEBACK
+        typer.echo(f"failed: {path}: {err}" + (f" (traceback: {tb})" if tb.exists() else ""),
+                   err=True)
     typer.echo(f"fig{fig}: {summary['points']} runs ({summary['skipped']} skipped) in "
                f"{summary['wall_s']} s")
     if summary["failed"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,10 @@ def is_done(out_dir: Path, spec: ExperimentSpec) -> bool:
         on_disk == spec.with_overrides({"engine.decision_s": charged}).to_yaml()
 
 
+#: a failed run's full traceback, beside its run.json (sweeps print its path)
+TRACEBACK = "traceback.txt"
+
+
 def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: bool = True,
                    base_dir: Path | None = None, keep_setup: bool = False,
                    placement_cache: Path | None = None) -> RunResult:
@@ -71,7 +76,8 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
         out_dir.mkdir(parents=True, exist_ok=True)
         for sub in ("token_layers", "requests", "quality_inrun"):
             shutil.rmtree(out_dir / sub, ignore_errors=True)
-        for name in ("metrics.json", "quality_inrun.csv", "quality_replay.csv", "quality.json"):
+        for name in ("metrics.json", "quality_inrun.csv", "quality_replay.csv", "quality.json",
+                     TRACEBACK):
             (out_dir / name).unlink(missing_ok=True)  # nothing of an earlier attempt is merged
         (out_dir / "spec.resolved.yaml").write_text(spec.to_yaml())
         write_json_atomic(out_dir / "run.json", info)
@@ -81,6 +87,9 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
         if out_dir is not None:  # never left saying "running"
             info["status"] = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             info["error"] = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+            if not isinstance(err, KeyboardInterrupt):  # the whole story, for the sweep's report
+                (out_dir / TRACEBACK).write_text(traceback.format_exc())
+                info["traceback"] = TRACEBACK
             write_json_atomic(out_dir / "run.json", info)
         raise
 

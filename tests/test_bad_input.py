@@ -187,5 +187,7 @@ def test_router_errors_are_one_line_and_the_run_is_marked_failed(cli, tmp_path, 
     if "place()" in needle:  # the run had started: its folder says it failed, and why
         info = json.loads((tmp_path / "out" / "run.json").read_text())
         assert info["status"] == "failed" and "no room for expert 7" in info["error"]
+        tb = (tmp_path / "out" / info["traceback"]).read_text()  # the whole story, for sweeps
+        assert "Traceback" in tb and "boomrouter.py" in tb and "no room for expert 7" in tb
     else:  # refused before anything was built
         assert not (tmp_path / "out").exists()
