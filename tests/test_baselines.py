@@ -437,6 +437,7 @@ def test_ablations_change_what_they_name():
 
 
 # -- The example router and its documented command ---------------------------------------
+@pytest.mark.slow
 def test_documented_example_matches_the_file_and_its_command_runs(tmp_path):
     doc = (ROOT / "docs" / "adding-a-router.md").read_text()
     source = (ROOT / "examples" / "nearest_replica.py").read_text()

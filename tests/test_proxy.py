@@ -58,6 +58,7 @@ def test_corpus_splits_are_disjoint_and_deterministic(corpus):
     assert seg[0, 36] == seg[1, 0]  # the last target is the next segment's first byte
 
 
+@pytest.mark.slow
 def test_training_is_deterministic(corpus):
     cfg = tiny_config("mixtral", steps=2)
     a, _ = train(cfg, corpus)
@@ -126,6 +127,7 @@ def test_profile_structure_and_real_shape(switch_profile, tmp_path):
     assert s["q_int4"]["mean"] >= s["q_int8"]["mean"] and s["q_sub"]["n"] > 0
 
 
+@pytest.mark.slow
 def test_profile_of_qwen_shape_loads(corpus, tmp_path):
     """Shared expert and 60 experts per layer; unseen experts are imputed, not left at zero."""
     model, _ = train(tiny_config("qwen", steps=1), corpus)

@@ -65,7 +65,8 @@ def proxy(tmp_path_factory):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("router", available())
+@pytest.mark.parametrize("router", [pytest.param(r, marks=() if r == "hetroute" else pytest.mark.slow)
+                                    for r in available()])  # test-fast: HetRoute only
 def test_budget_accounting_never_exceeds_lambda_max(router, proxy, tmp_path):
     if not honours_budget(router):
         pytest.skip(f"{router} documents that it does not use the quality budget")
