@@ -39,3 +39,13 @@ def test_a_probe_that_dies_is_a_failed_check_with_its_stderr():
 def test_a_probe_that_answers_is_read():
     out = fidelity.measure_rtts(_FakeNet("print('[0.001, 0.002]')"), [(0, 1)], count=2)
     assert out[(0, 1)] == [0.001, 0.002]
+
+
+def test_lateness_flags_say_their_units():
+    """Release lateness is measured on the wall clock: the flag says so and gives the
+    emulated equivalent (issue 14: flags say their units)."""
+    from testbed.emu.backend import fidelity_summary
+    flags = fidelity_summary({"dilation": 32, "workers": [
+        {"rank": 0, "late_over_tolerance": 174, "release_late_p99_ms": 7.94}]})["flags"]
+    assert flags == ["w0: 174 releases late beyond 5% of their service time (p99 7.94 ms of "
+                     "wall time = 0.248 ms emulated at T=32)"]
