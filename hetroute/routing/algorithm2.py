@@ -217,10 +217,10 @@ class SetLevelRouter:
             return a
         return agg
 
-    def _admissible(self, pool, theta: int, slack: float, view: StateView,
-                    now: float = 0.0, admitted: list[float] | None = None) -> list[Candidate]:
+    def _admissible(self, pool, theta: int, slack: float, view: StateView, now: float,
+                    admitted: list[float]) -> list[Candidate]:
         """Guards (18) and (19) and reachability, candidate by candidate."""
-        bl, cap = view.admitted if admitted is None else admitted, self.params.window_s
+        bl, cap = admitted, self.params.window_s
         if self._marg and view.pending:
             pend, twin = view.pending, self._marg
             pool = [twin[id(c)] if pend.get(c.replica, -1.0) > now else c for c in pool]
