@@ -34,6 +34,7 @@ from .test_router_conformance import simulate, spec_for
 
 ROOT = Path(__file__).resolve().parents[1]
 INF = float("inf")
+PAPER = {"cost_model": "paper"}  # hand-computed brute forces use the paper's w/F times
 
 
 def setup_of(router: str, topology: str = "paper10", model: str = "mixtral-8x7b", params=None,
@@ -187,7 +188,7 @@ def _es_problem(gpu_layers=None):
 
 def test_edgeshard_latency_dp_matches_brute_force():
     p, _ = _es_problem()
-    r = EdgeShard(p)
+    r = EdgeShard(p, PAPER)
     servers, tiers, total = r.pipeline()
     sh, cl = p.shape, p.cluster
     N, L = cl.n, sh.n_layers
@@ -206,13 +207,70 @@ def test_edgeshard_latency_dp_matches_brute_force():
 
 def test_edgeshard_tracks_memory_gpu_first():
     p, layer = _es_problem(gpu_layers=[1, 2, 0, 0])
-    r = EdgeShard(p)
+    r = EdgeShard(p, PAPER)
     dep = r.place()
     dep.check(p.shape, p.budget)
     servers, tiers, _ = r.pipeline()
     for n in range(p.cluster.n):
         assert sum(t for s, t in zip(servers, tiers) if s == n) <= [1, 2, 0, 0][n]
     assert not all(tiers)  # 5 layers, GPU room for 3
+
+
+def _tp_brute_force(p, gpu_rooms, cpu_rooms):
+    """Smallest bottleneck over every chain of distinct servers from server 0."""
+    sh, cl = p.shape, p.cluster
+    N, L = cl.n, sh.n_layers
+    gpu_t = [(sh.dense_flops + sh.top_k * sh.expert_flops) / f for f in cl.flops]
+    load = sh.top_k * sh.expert_bytes[Precision.FP16] / cl.pcie[0]
+
+    def stage(j, n):
+        if n > gpu_rooms[j] + cpu_rooms[j]:
+            return INF
+        g = min(n, gpu_rooms[j])
+        return g * gpu_t[j] + (n - g) * (gpu_t[j] + load)
+
+    def xfer(a, b):
+        return 0.0 if a == b else sh.hidden_bytes / cl.bandwidth[a][b]
+
+    best = INF
+    for m in range(1, N + 1):
+        for rest in itertools.permutations(range(1, N), m - 1):
+            chain = (0,) + rest
+            for cuts in itertools.combinations(range(1, L), m - 1):
+                sizes = [b - a for a, b in zip((0,) + cuts, cuts + (L,))]
+                worst = max([stage(j, n) for j, n in zip(chain, sizes)]
+                            + [xfer(a, b) for a, b in zip(chain, chain[1:])] + [xfer(chain[-1], 0)])
+                best = min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("gpu_layers", [None, [1, 2, 0, 1], [2, 1, 1, 0]])
+def test_edgeshard_throughput_dp_matches_brute_force(gpu_layers):
+    p, _ = _es_problem(gpu_layers=gpu_layers)
+    rooms = gpu_layers or [10] * 4
+    r = get_router("edgeshard-tp")(p, PAPER)
+    servers, tiers, bottleneck = r.pipeline()
+    assert bottleneck == pytest.approx(_tp_brute_force(p, rooms, [10] * 4))
+    assert servers[0] == 0 and len(servers) == p.shape.n_layers
+    runs = [s for i, s in enumerate(servers) if i == 0 or servers[i - 1] != s]
+    assert len(runs) == len(set(runs))  # each server holds one contiguous stage
+    for n in range(p.cluster.n):
+        assert sum(t for s, t in zip(servers, tiers) if s == n) <= rooms[n]
+    dep = r.place()
+    dep.check(p.shape, p.budget)
+    assert r.placement_report["planned_tokens_per_s"] == pytest.approx(1 / bottleneck)
+
+
+def test_edgeshard_throughput_variant_has_no_slower_bottleneck_than_latency_variant():
+    p, _ = _es_problem()
+    lat, _, _ = EdgeShard(p, PAPER).pipeline()
+    tp = get_router("edgeshard-tp")(p, PAPER)
+    _, _, bottleneck = tp.pipeline()
+    sh, cl = p.shape, p.cluster
+    per_layer = [(sh.dense_flops + sh.top_k * sh.expert_flops) / f for f in cl.flops]
+    lat_stage = max(lat.count(j) * per_layer[j] for j in set(lat))
+    assert bottleneck <= lat_stage + 1e-15
+    assert bottleneck < per_layer[0] * p.shape.n_layers  # better than the source alone
 
 
 # -- Petals ------------------------------------------------------------------------

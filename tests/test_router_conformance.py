@@ -66,7 +66,7 @@ def test_runs_are_valid_deterministic_and_causal(setups, router, topology, model
 
 
 def test_registry_lists_every_baseline():
-    assert {"hetroute", "prism", "edgeshard", "moe-infinity", "petals", "greedy",
+    assert {"hetroute", "prism", "edgeshard", "edgeshard-tp", "moe-infinity", "petals", "greedy",
             "hetroute-no-setlevel", "hetroute-no-residency", "hetroute-no-quality",
             "hetroute-no-replication"} <= set(available())
     for name in available():

@@ -15,10 +15,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-ROUTER_ORDER = ["hetroute", "greedy", "prism", "moe-infinity", "petals", "edgeshard",
+ROUTER_ORDER = ["hetroute", "greedy", "prism", "moe-infinity", "petals", "edgeshard", "edgeshard-tp",
                 "hetroute-no-setlevel", "hetroute-no-residency", "hetroute-no-quality",
                 "hetroute-no-replication"]
-LABELS = {"hetroute": "HetRoute", "prism": "Prism", "edgeshard": "EdgeShard",
+LABELS = {"hetroute": "HetRoute", "prism": "Prism", "edgeshard": "EdgeShard", "edgeshard-tp": "EdgeShard (thr.)",
           "moe-infinity": "MoE-Infinity", "petals": "Petals", "greedy": "per-expert greedy",
           "hetroute-no-setlevel": "w/o set-level", "hetroute-no-residency": "w/o residency",
           "hetroute-no-quality": "w/o quality prec.", "hetroute-no-replication": "w/o replication"}

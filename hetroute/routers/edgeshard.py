@@ -22,10 +22,13 @@ Choices where the source is silent:
   ``MemoryBudget``); it goes to the device's GPU if the remaining GPU budget
   holds it, else to its CPU budget (then each use pays the GPU-CPU load), else
   the device is skipped for that layer.
-- t_comp of a layer on device j, per token: (dense FLOPs + k w_E) / F_j, plus
+- t_comp of a layer on device j, per token: dense part + k experts, plus
   k v / beta_j when the layer is CPU-resident (k activated experts loaded), in
-  the router's belief (``cost_model``: the paper's model as written, or the
-  hardware roofline for one token).
+  the router's belief (``cost_model``). EdgeShard's first stage profiles every
+  layer on every device offline ("offline profiling", arXiv:2405.14371), so by
+  default it believes what a profile would measure: the world's compute model
+  (``hardware``: the roofline for one token). ``cost_model: paper`` gives the
+  paper's (dense FLOPs + k w_E) / F_j.
   t_comm(k -> j) = d / B_kj plus the link's one-way delay, 0 when k = j.
 - The throughput-optimal DP variant is not implemented (the paper's latency
   comparison uses the latency-optimal one).
@@ -37,6 +40,7 @@ Choices where the source is silent:
 from __future__ import annotations
 
 from collections import Counter
+from typing import Literal
 
 from pydantic import Field
 
@@ -49,6 +53,9 @@ INF = float("inf")
 
 
 class EdgeShardParams(RouterParams):
+    # EdgeShard profiles each layer on each device offline, so it plans with measured
+    # times: the world's compute model, not the paper's w/F.
+    cost_model: Literal["paper", "hardware"] = "hardware"
     source: int | None = Field(None, ge=0, description="source device; None: most frequent home")
 
 

@@ -35,8 +35,12 @@ Choices where the source is silent or the setting differs:
 - Bytes per block: the E FP16 experts of a layer; the dense part is held by
   every server and the attention cache comes out of the GPU share that
   ``MemoryBudget`` leaves for KV cache, so the cache-room penalty (alloc_delay)
-  never applies. Model (in the router's belief, ``cost_model``; shown for the
-  paper's): forward_rps = F_n / (dense + k w_E) per block,
+  never applies. Per-block times are in the router's belief (``cost_model``):
+  Petals measures them by running a block on the device
+  (``server/throughput.py``, ``measure_compute_rps``), so by default it believes
+  the world's compute model (``hardware``: one token through the block's
+  dense part and k experts on the roofline). With ``cost_model: paper`` the
+  formulas are those of the paper's model: forward_rps = F_n / (dense + k w_E) per block,
   network_rps = min(mean outgoing, mean incoming bandwidth) / d (a speed test
   to "the internet"), 1 / inference_rps = (dense + k w_E) / F_n per block,
   plus k v / beta_n for a CPU-resident block.
@@ -62,7 +66,7 @@ Choices where the source is silent or the setting differs:
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from typing import Callable, Literal
 
 from pydantic import Field
 
@@ -73,6 +77,9 @@ from .base import Router, RouterParams
 
 
 class PetalsParams(RouterParams):
+    # Petals benchmarks its block on the device (server/throughput.py, measure_compute_rps),
+    # so it plans with measured times: the world's compute model, not the paper's w/F.
+    cost_model: Literal["paper", "hardware"] = "hardware"
     overhead_s: float = Field(0.018, ge=0, description="serialisation overhead per hop (code: 18 ms)")
     balance_quality: float = Field(0.75, gt=0, description="rebalance when old/new min throughput < this")
     max_rebalance_rounds: int = Field(20, ge=0)
@@ -145,7 +152,7 @@ class Petals(Router):
     # -- cost terms ------------------------------------------------------------
     def _block_time(self, n: int, gpu: bool) -> float:
         """1 / inference_rps: one token through one block on server n, in the router's
-        belief (``cost_model``; the paper's (dense + k w)/F_n by default)."""
+        belief (``cost_model``; by default the world's compute model, as Petals measures it)."""
         svc, k = self.service, self.problem.shape.top_k
         t = svc.dense_s(n, 1) + k * svc.expert_s(n, FULL_PRECISION, 1)
         return t if gpu else t + k * svc.load_s(n, FULL_PRECISION)
