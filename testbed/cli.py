@@ -72,8 +72,12 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
             routers: str = typer.Option("all", help="comma-separated router names, or 'all'"),
             set_: list[str] = typer.Option([], "--set", help="override, e.g. workload.rate_per_s=80"),
             out: Path | None = typer.Option(None, help="results folder (default results/compare/NAME)"),
-            quiet: bool = typer.Option(False, help="no progress bar")) -> None:
+            quiet: bool = typer.Option(False, help="no progress bar"),
+            reference: bool = typer.Option(True, help="also run each router that declares its "
+                                           "own regime (Router.own_regime) there, as a "
+                                           "reference row")) -> None:
     """Run the same spec under several routers and print one table."""
+    from hetroute.routers import get_router
     from topologies import TopologyError
 
     from .runner import run_experiment
@@ -82,14 +86,24 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     try:
         base = _load(spec, set_)
         root = out or Path("results/compare") / base.name
-        for name in names:
-            s = base.with_overrides({"router.name": name, "name": f"{base.name}-{name}"})
-            rows[name] = run_experiment(s, root / name, progress=not quiet,
-                                        base_dir=Path(spec).parent).metrics
-    except (SpecError, TopologyError) as err:
-        _fail(str(err))
+        folder_of = {n: n.replace(":", ".") for n in names}  # pkg.mod:Class -> pkg.mod.Class
+        runs = [(name, folder_of[name], {}) for name in names]
+        if reference:
+            runs += [(f"{name} (own regime)", f"{folder_of[name]}-own-regime", dict(regime))
+                     for name in names if (regime := get_router(name).own_regime)]
+        for label, folder, regime in runs:
+            name = label.split(" ")[0]
+            s = base.with_overrides({"router.name": name, "name": f"{base.name}-{folder}", **regime})
+            rows[label] = run_experiment(s, root / folder, progress=not quiet,
+                                         base_dir=Path(spec).parent).metrics
+    except (SpecError, TopologyError, KeyError) as err:
+        _fail(str(err).strip("'\""))
         return
     typer.echo(format_table(rows))
+    notes = {n: get_router(n).memory_note for n in names}
+    for n, note in notes.items():
+        if note:
+            typer.echo(f"memory, {n}: {note}")
 
 
 @app.command()

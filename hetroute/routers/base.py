@@ -79,6 +79,13 @@ class Router(abc.ABC):
     #: Placements may be cached and reloaded: ``bind`` must then rebuild every
     #: online structure from the deployment alone. Set False if it cannot.
     cacheable_placement: ClassVar[bool] = True
+    #: Workload overrides (spec keys) of the regime the router's source system was
+    #: built for, when it differs from the experiment's; ``testbed compare`` adds a
+    #: reference row run there, so a baseline is also seen where it is meant to work.
+    own_regime: ClassVar[dict[str, object] | None] = None
+    #: One line on how the design uses the common memory budget, when it cannot use
+    #: it as HetRoute does (printed under ``testbed compare``'s memory columns).
+    memory_note: ClassVar[str] = ""
 
     def __init__(self, problem: Problem, params: RouterParams | dict | None = None) -> None:
         self.problem = problem

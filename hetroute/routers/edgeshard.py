@@ -63,6 +63,7 @@ class EdgeShard(Router):
     """EdgeShard: whole layers pipelined over servers by the latency DP."""
 
     name = "edgeshard"
+    memory_note = "one copy of the model by design: a pipeline holds each layer once"
     Params = EdgeShardParams
     params: EdgeShardParams
 

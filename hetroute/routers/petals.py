@@ -146,6 +146,8 @@ class Petals(Router):
     """Petals: block spans by swarm balancing; per-request Dijkstra chains."""
 
     name = "petals"
+    memory_note = ("spans fill each server's GPU budget by Petals' block-count rule, "
+                   "not by the 2x replica rule")
     Params = PetalsParams
     params: PetalsParams
 

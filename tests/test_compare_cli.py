@@ -1,0 +1,44 @@
+"""``testbed compare``: one row per router, plus a reference row in each router's own regime."""
+
+from __future__ import annotations
+
+import yaml
+
+from typer.testing import CliRunner
+
+from testbed.cli import app
+
+SPEC = """\
+name: cmp
+topology: small3
+workload: {model: switch-base-8, rate_per_s: 4, duration_s: 1.0, warmup_s: 0.2, calibration_tokens: 64}
+"""
+
+
+def test_compare_adds_a_row_run_in_the_routers_own_regime(tmp_path):
+    spec = tmp_path / "cmp.yaml"
+    spec.write_text(SPEC)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["compare", str(spec), "--routers",
+                                 "tests.regime_router:DecodeRegime", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert lines[-2].startswith("tests.regime_router:DecodeRegime ")
+    assert lines[-1].startswith("tests.regime_router:DecodeRegime (own regime)")
+    base = yaml.safe_load((out / "tests.regime_router.DecodeRegime" / "spec.resolved.yaml").read_text())
+    own = yaml.safe_load((out / "tests.regime_router.DecodeRegime-own-regime" / "spec.resolved.yaml").read_text())
+    assert base["workload"]["gen_tokens"] == 0 and own["workload"]["gen_tokens"] == 3
+    assert own["workload"]["rate_per_s"] == 2.0 and own["topology"] == base["topology"]
+
+    r = CliRunner().invoke(app, ["compare", str(spec), "--routers",
+                                 "tests.regime_router:DecodeRegime", "--out", str(tmp_path / "o2"),
+                                 "--quiet", "--no-reference"])
+    assert r.exit_code == 0 and "own regime" not in r.output
+
+
+def test_compare_names_an_unknown_router_in_one_line(tmp_path):
+    spec = tmp_path / "cmp.yaml"
+    spec.write_text(SPEC)
+    r = CliRunner().invoke(app, ["compare", str(spec), "--routers", "no-such-router",
+                                 "--out", str(tmp_path / "o"), "--quiet"])
+    assert r.exit_code == 2 and "unknown router 'no-such-router'" in r.output
