@@ -89,6 +89,8 @@ CALIBRATION_ID_BASE = 1_000_000_000
 
 _STRUCTURE_TAG = 0x5EED  # rng stream of the per-model structure (popularity, affinity)
 _REQUEST_TAG = 0x7E0  # rng stream of per-request routing
+_TASK_TAG = 0x7A5C  # rng stream of the per-task popularity
+_BURST_TAG = 0xB0257  # rng stream of per-request hot experts (bursts)
 
 Anchors = tuple[tuple[float, float], ...]
 
@@ -108,7 +110,7 @@ class Routing(NamedTuple):
 class TraceSource(Protocol):
     """Anything that routes requests; must be a pure function of its arguments."""
 
-    def route(self, request_id: int, n_tokens: int) -> Routing: ...
+    def route(self, request_id: int, n_tokens: int, task: int = 0) -> Routing: ...
 
 
 # --------------------------------------------------------------------------
@@ -135,33 +137,69 @@ class TraceParams(BaseModel):
     """Knobs of ``SyntheticTrace``; see the module docstring for their meaning.
 
     Depth anchors are (l / (L - 1), probability) pairs so one profile fits any
-    depth. Calibrated defaults per model: ``default_trace_params``.
+    depth. Calibrated defaults per model: ``default_trace_params``. ``affinity``
+    takes one float (the same weight at every depth, as before) or anchors.
+    The new knobs default to "off" (``copy_pair`` 0, ``burst_boost`` 0, one
+    task), so parameter sets written before them route exactly as they did.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     popularity_skew: float = Field(0.5, ge=0, le=5, description="Zipf exponent s")
     skew_jitter: float = Field(0.1, ge=0, le=2, description="per-layer log-normal sd of s")
-    affinity: float = Field(0.5, ge=0, le=1, description="weight of preferred successors")
+    affinity: float | Anchors = Field(0.5, description="weight of preferred successors: a float "
+                                      "or (depth, weight) anchors")
     affinity_fanout: int = Field(2, ge=1, description="preferred successors per expert")
     copy_first: Anchors = ((0.0, 0.1),)
     copy_one: Anchors = ((0.0, 0.0),)
     avoid_prev: Anchors = ((0.0, 0.0),)
+    copy_pair: Anchors = ((0.0, 0.0),)
+    burst_boost: float = Field(0.0, ge=0, le=10, description="logit boost of a window's hot expert")
+    burst_window: int = Field(32, ge=1, le=1_000_000, description="tokens per hot-expert window")
+    n_tasks: int = Field(1, ge=1, le=64, description="tasks with their own popularity")
+    task_specificity: float | tuple[float, ...] = Field(
+        0.5, description="per task (or one for all): share of experts whose popularity rank "
+        "the task re-draws, in [0, 1]")
 
     @model_validator(mode="after")
     def _valid_profiles(self) -> "TraceParams":
-        profiles = (self.copy_first, self.copy_one, self.avoid_prev)
-        for name, anchors in zip(("copy_first", "copy_one", "avoid_prev"), profiles):
+        names = ("copy_first", "copy_one", "avoid_prev", "copy_pair")
+        profiles = tuple(getattr(self, n) for n in names)
+        for name, anchors in zip(names, profiles):
             _check_anchors(name, anchors)
+        if isinstance(self.affinity, tuple):
+            _check_anchors("affinity", self.affinity)
+        elif not 0.0 <= self.affinity <= 1.0:
+            raise ValueError("affinity must be in [0, 1]")
         depths = sorted({d for anchors in profiles for d, _ in anchors})
         total = sum(np.interp(depths, *zip(*anchors)) for anchors in profiles)
         if np.any(total > 1.0 + 1e-9):
-            raise ValueError("copy_first + copy_one + avoid_prev must not exceed 1 at any depth")
+            raise ValueError("copy_first + copy_one + avoid_prev + copy_pair must not exceed 1 "
+                             "at any depth")
+        spec = self.task_specificity
+        values = spec if isinstance(spec, tuple) else (spec,)
+        if any(not 0.0 <= v <= 1.0 for v in values):
+            raise ValueError("task_specificity must be in [0, 1]")
+        if isinstance(spec, tuple) and len(spec) != self.n_tasks:
+            raise ValueError(f"task_specificity lists {len(spec)} values for n_tasks={self.n_tasks}")
         return self
+
+    @property
+    def affinity_anchors(self) -> Anchors:
+        a = self.affinity
+        return a if isinstance(a, tuple) else ((0.0, float(a)),)
+
+    def task_specificities(self) -> tuple[float, ...]:
+        spec = self.task_specificity
+        return tuple(spec) if isinstance(spec, tuple) else (float(spec),) * self.n_tasks
 
     def with_overrides(self, overrides: Mapping[str, object] | None) -> "TraceParams":
         """A validated copy with some fields replaced (e.g. from an experiment spec)."""
-        return TraceParams.model_validate({**self.model_dump(), **dict(overrides or {})})
+        data = {**self.model_dump(), **dict(overrides or {})}
+        if "n_tasks" in (overrides or {}) and "task_specificity" not in (overrides or {}) \
+                and isinstance(self.task_specificity, tuple):
+            data["task_specificity"] = float(np.mean(self.task_specificity))
+        return TraceParams.model_validate(data)
 
 
 @dataclass(frozen=True)
@@ -241,12 +279,12 @@ def _gate_weights(u: np.ndarray) -> np.ndarray:
 
 
 class SyntheticTrace:
-    """Seeded synthetic routing for ``model``; ``route`` depends only on (seed, id, n).
+    """Seeded synthetic routing for ``model``; ``route`` depends only on (seed, id, n, task).
 
-    The per-model structure (popularity, preferred successors) is drawn from
-    ``seed`` alone; each request from its own stream [seed, tag, request_id],
-    so requests can be generated in any order, and a request's first m tokens
-    do not depend on how many tokens were asked for.
+    The per-model structure (popularity per task, preferred successors) is drawn
+    from ``seed`` alone; each request from its own streams [seed, tag,
+    request_id], so requests can be generated in any order, and a request's
+    first m tokens do not depend on how many tokens were asked for.
     """
 
     def __init__(self, model: ModelSpec, params: TraceParams | None = None, seed: int = 0) -> None:
@@ -257,69 +295,109 @@ class SyntheticTrace:
             raise ValueError("affinity_fanout exceeds the experts per layer")
         if any(v > 0 for _, v in self.params.avoid_prev) and model.experts_per_layer < 2 * model.top_k:
             raise ValueError("avoid_prev needs at least 2 * top_k experts per layer")
-        pop, trans = self._structure()
-        self.popularity = _readonly(pop)  # (L, E), the base distribution p_l
-        self.transitions = _readonly(trans)  # (L-1, E, E), T_l[i]
-        self._log_pop0 = _readonly(np.log(pop[0]))
-        self._log_trans = _readonly(np.log(trans))
         L = model.n_layers
+        self.n_tasks = self.params.n_tasks
+        self._affinity = _readonly(profile(self.params.affinity_anchors, L))
+        pop, task_pop, trans = self._structure()
+        self.popularity = _readonly(pop)  # (L, E), the shared base distribution p_l
+        self.task_popularity = _readonly(task_pop)  # (C, L, E), p_{c,l} of each task
+        self.transitions = _readonly(trans[0])  # (L-1, E, E), T_l[i] of task 0
+        self.task_transitions = _readonly(trans)  # (C, L-1, E, E)
+        self._log_pop0 = _readonly(np.log(task_pop[:, 0]))  # (C, E)
+        self._log_pop = _readonly(np.log(task_pop))
+        self._log_trans = _readonly(np.log(trans))
         self._copy_first = _readonly(profile(self.params.copy_first, L))
         copy_one = profile(self.params.copy_one, L) if model.top_k > 1 else np.zeros(L)
         self._copy_one = _readonly(copy_one)
         self._avoid = _readonly(profile(self.params.avoid_prev, L))
+        self._copy_pair = _readonly(profile(self.params.copy_pair, L))
 
-    def _structure(self) -> tuple[np.ndarray, np.ndarray]:
+    def _structure(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         p, m = self.params, self.model
-        L, E = m.n_layers, m.experts_per_layer
+        L, E, C = m.n_layers, m.experts_per_layer, self.n_tasks
         rng = np.random.default_rng([self.seed, _STRUCTURE_TAG])
         s = p.popularity_skew * np.exp(p.skew_jitter * rng.standard_normal(L) - p.skew_jitter**2 / 2)
         pop = np.empty((L, E))
         ranks = np.arange(1, E + 1, dtype=float)
+        rank_of = np.empty((L, E), dtype=np.int64)  # rank (0 = hottest) of each expert
+        zipf = np.empty((L, E))
         for layer in range(L):
             w = ranks ** -s[layer]
-            pop[layer, rng.permutation(E)] = w / w.sum()
-        trans = np.empty((max(L - 1, 0), E, E))
+            zipf[layer] = w / w.sum()
+            perm = rng.permutation(E)
+            pop[layer, perm] = zipf[layer]
+            rank_of[layer, perm] = np.arange(E)
+        q = np.zeros((max(L - 1, 0), E, E))
         for layer in range(L - 1):
-            nxt = pop[layer + 1]
             # Balanced: every successor is preferred by exactly `fanout` experts,
             # so affinity shapes paths without making hot experts of its own.
             perm = rng.permutation(E)
             pref = perm[(np.arange(E)[:, None] + np.arange(p.affinity_fanout)) % E]
-            q = np.zeros((E, E))
-            np.put_along_axis(q, pref, rng.dirichlet(np.ones(p.affinity_fanout), size=E), axis=1)
-            trans[layer] = (1.0 - p.affinity) * nxt + p.affinity * q
-        return pop, np.maximum(trans, 1e-12)
+            np.put_along_axis(q[layer], pref, rng.dirichlet(np.ones(p.affinity_fanout), size=E), axis=1)
+        # Tasks (own stream, so the shared structure above is the same for any task count):
+        # task c re-draws the ranks of round(spec_c * E) experts per layer, shuffling
+        # them among themselves; the other experts keep their shared rank. Each task
+        # keeps the layer's Zipf shares (its skew), only which expert is hot moves.
+        task_pop = np.repeat(pop[None], C, axis=0)
+        if C > 1:
+            trng = np.random.default_rng([self.seed, _TASK_TAG])
+            for c, spec in enumerate(p.task_specificities()):
+                n_move = int(round(spec * E))
+                for layer in range(L):
+                    moved = trng.choice(E, size=n_move, replace=False)
+                    ranks_c = rank_of[layer].copy()
+                    ranks_c[moved] = ranks_c[moved][trng.permutation(n_move)]
+                    task_pop[c, layer] = zipf[layer][ranks_c]
+        a = self._affinity[1:, None, None]  # the pair (l, l+1) uses the weight of layer l+1
+        trans = (1.0 - a) * task_pop[:, 1:, None, :] + a * q[None]
+        return pop, task_pop, np.maximum(trans, 1e-12)
 
-    def route(self, request_id: int, n_tokens: int) -> Routing:
+    def route(self, request_id: int, n_tokens: int, task: int = 0) -> Routing:
         _validate_request(request_id, n_tokens)
-        m = self.model
+        if int(task) != task or not 0 <= task < self.n_tasks:
+            raise ValueError(f"task must be an integer in [0, {self.n_tasks}), got {task!r}")
+        m, p = self.model, self.params
         n, L, E, k = int(n_tokens), m.n_layers, m.experts_per_layer, m.top_k
         rng = np.random.default_rng([self.seed, _REQUEST_TAG, int(request_id)])
         u = rng.random((n, L, E + 2 + k))  # one C-order draw keeps prefixes stable
+        hot = None
+        if p.burst_boost > 0 and n:
+            # One hot expert per (window of burst_window tokens, layer), drawn from the
+            # task's popularity (own stream; C-order, so prefixes stay stable too).
+            brng = np.random.default_rng([self.seed, _BURST_TAG, int(request_id)])
+            n_win = -(-n // p.burst_window)
+            g = _gumbel(brng.random((n_win, L, E)))
+            hot = np.argmax(self._log_pop[int(task)][None] + g, axis=-1)  # (n_win, L)
         sel = np.zeros((n, L, k), dtype=np.int64)
         # Cell (t, l) needs (t, l-1) for affinity and (t-1, l) for repetition:
         # sweep anti-diagonals t + l = d, each vectorized over its cells.
         for d in range(n + L - 1):
             t = np.arange(max(0, d - L + 1), min(n - 1, d) + 1)
-            self._fill_diagonal(sel, u, t, d - t)
+            self._fill_diagonal(sel, u, t, d - t, int(task), hot)
         return Routing(sel, _gate_weights(u[..., E + 2:]))
 
-    def tokens(self, request_id: int, n_tokens: int) -> np.ndarray:
+    def tokens(self, request_id: int, n_tokens: int, task: int = 0) -> np.ndarray:
         """Only the expert indices of ``route``."""
-        return self.route(request_id, n_tokens).experts
+        return self.route(request_id, n_tokens, task).experts
 
-    def _fill_diagonal(self, sel: np.ndarray, u: np.ndarray, t: np.ndarray, l: np.ndarray) -> None:
+    def _fill_diagonal(self, sel: np.ndarray, u: np.ndarray, t: np.ndarray, l: np.ndarray,
+                       task: int = 0, hot: np.ndarray | None = None) -> None:
         E, k = self.model.experts_per_layer, self.model.top_k
         base = np.empty((t.size, E))
         top = l == 0
-        base[top] = self._log_pop0
+        base[top] = self._log_pop0[task]
         deep = ~top
-        base[deep] = self._log_trans[l[deep] - 1, sel[t[deep], l[deep] - 1, 0]]
+        base[deep] = self._log_trans[task, l[deep] - 1, sel[t[deep], l[deep] - 1, 0]]
         scores = base + _gumbel(u[t, l, :E])
+        if hot is not None:
+            scores[np.arange(t.size), hot[t // self.params.burst_window, l]] += self.params.burst_boost
         a, b, v, um = self._copy_first[l], self._copy_one[l], self._avoid[l], u[t, l, E]
-        keep = (t > 0) & (um < a)
-        part = (t > 0) & (um >= a) & (um < a + b)
-        avoid = (t > 0) & (um >= a + b) & (um < a + b + v)
+        w = self._copy_pair[l]
+        later = t > 0
+        keep = later & (um < a)
+        part = later & (um >= a) & (um < a + b)
+        avoid = later & (um >= a + b) & (um < a + b + v)
+        pair = later & (um >= a + b + v) & (um < a + b + v + w)
         prev = sel[np.maximum(t - 1, 0), l]
         pick = np.minimum((u[t, l, E + 1] * k).astype(np.int64), k - 1)
         x = np.where(keep, prev[:, 0], prev[np.arange(t.size), pick])
@@ -334,6 +412,10 @@ class SyntheticTrace:
         if k > 1:
             out[part, 1] = x[part]
             out[part, 2:] = order[part, 1 : k - 1]
+        if pair.any():
+            # the whole previous set, rotated by `pick`: order kept with probability 1/k
+            rot = (np.arange(k)[None, :] + pick[pair, None]) % k
+            out[pair] = np.take_along_axis(prev[pair], rot, axis=1)
         sel[t, l] = out
 
 
@@ -611,13 +693,14 @@ class JsonlTrace:
             request_id = pool[request_id % len(pool)]
         return self._requests[request_id]
 
-    def route(self, request_id: int, n_tokens: int) -> Routing:
+    def route(self, request_id: int, n_tokens: int, task: int = 0) -> Routing:
+        """``task`` is accepted and ignored: a recorded trace has its own tasks."""
         _validate_request(request_id, n_tokens)
         src = self._file_request(int(request_id))
         idx = np.arange(int(n_tokens)) % len(src.experts)
         return Routing(src.experts[idx], src.weights[idx])
 
-    def tokens(self, request_id: int, n_tokens: int) -> np.ndarray:
+    def tokens(self, request_id: int, n_tokens: int, task: int = 0) -> np.ndarray:
         return self.route(request_id, n_tokens).experts
 
 
