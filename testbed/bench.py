@@ -46,7 +46,7 @@ def _decisions(model: str, tokens: int, seed: int = 11, reference: bool = False)
     setup = build_setup(spec)
     from workloads import calibration_traffic
     traffic = calibration_traffic(setup.trace, setup.model, setup.users.home_probs(), tokens,
-                                  seed=seed)
+                                  seed=seed, task_probs=setup.users.task_probs)
     N = setup.cluster.n
     rng = np.random.default_rng(seed)
     view = StateView(N)

@@ -55,19 +55,34 @@ class RunSetup:
     #: CPU seconds the simulator charges per routing decision (``engine.decision_s``)
     decision_s: float = 0.0
 
+    def task_of(self, rid: int) -> int:
+        """The task of request ``rid`` (0 for ids this run did not generate)."""
+        tasks = self.__dict__.get("_tasks")
+        if tasks is None:
+            tasks = self.__dict__["_tasks"] = {rq.id: rq.task for rq in self.requests}
+        return tasks.get(int(rid), 0)
+
+    def routing(self, rid: int, n_tokens: int):
+        """The trace's routing of request ``rid``, by its task."""
+        return self.trace.route(rid, n_tokens, self.task_of(rid))
+
     def request_targets(self, rid: int, n_tokens: int) -> list[tuple[tuple[int, ...], ...]]:
         """Per token, per layer: the gated experts as global ids."""
-        local = np.asarray(self.trace.route(rid, n_tokens).experts)
+        local = np.asarray(self.routing(rid, n_tokens).experts)
         E = self.shape.experts_per_layer
         glob = local + (np.arange(self.shape.n_layers) * E)[None, :, None]
         return [tuple(tuple(layer) for layer in tok) for tok in glob.tolist()]
 
 
-def make_trace(model: ModelSpec, source: str, params: dict | None, seed: int) -> TraceSource:
-    """'synthetic' (calibrated generator, optional parameter overrides) or a JSON-lines file."""
+def make_trace(model: ModelSpec, source: str, params: dict | None, seed: int,
+               tasks: dict | None = None) -> TraceSource:
+    """'synthetic' (calibrated generator, optional parameter overrides) or a JSON-lines file.
+
+    ``tasks``: the workload's task knobs (``WorkloadSpec.task_trace_params``);
+    ``params`` may override them."""
     if source == "synthetic":
         try:
-            p = default_trace_params(model.name).with_overrides(params)
+            p = default_trace_params(model.name).with_overrides({**(tasks or {}), **(params or {})})
         except ValueError as err:
             raise SpecError(f"workload.trace_params: {str(err).splitlines()[0]}") from None
         return SyntheticTrace(model, p, seed=seed)
@@ -201,9 +216,12 @@ def check_spec(spec: ExperimentSpec, base_dir: Path | None = None) -> CheckedSpe
         e = err.errors()[0]
         loc = ".".join(str(x) for x in e["loc"])
         raise SpecError(f"router.params.{loc}: {e['msg']} ({spec.router.name})") from None
+    if w.task_mix is not None and len(w.task_mix) != cluster.n:
+        raise SpecError(f"workload.task_mix: {len(w.task_mix)} rows for {cluster.n} servers")
     if w.trace == "synthetic":
         try:
-            default_trace_params(model.name).with_overrides(w.trace_params)
+            default_trace_params(model.name).with_overrides(
+                {**w.task_trace_params(), **(w.trace_params or {})})
         except ValueError as err:
             raise SpecError(f"workload.trace_params: {str(err).splitlines()[0]}") from None
     elif w.trace_params:
@@ -254,12 +272,17 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
         quality = load_profile(_path(spec.quality.profile, base_dir), shape)
     w = spec.workload
     trace = make_trace(model, w.trace if w.trace == "synthetic" else str(_path(w.trace, base_dir)),
-                       w.trace_params, seed=spec.seed)
-    users = Users(n_users=w.users, n_servers=cluster.n, zipf_s=w.zipf_s, seed=spec.seed)
+                       w.trace_params, seed=spec.seed, tasks=w.task_trace_params())
+    n_tasks = getattr(trace, "n_tasks", 1)  # a recorded trace has no task popularity of ours
+    users = Users(n_users=w.users, n_servers=cluster.n, zipf_s=w.zipf_s, seed=spec.seed,
+                  n_tasks=n_tasks, task_concentration=w.task_concentration,
+                  task_mix=(tuple(tuple(r) for r in w.task_mix)
+                            if w.task_mix is not None and n_tasks > 1 else None))
     requests = generate_requests(w.rate_per_s, RequestShape(w.prompt_tokens, w.gen_tokens), users,
                                  seed=spec.seed, duration_s=w.duration_s)
     calib = calibration_traffic(trace, model, users.home_probs(), w.calibration_tokens,
-                                seed=spec.seed, tokens_per_request=w.prompt_tokens)
+                                seed=spec.seed, tokens_per_request=w.prompt_tokens,
+                                task_probs=users.task_probs)
     budget = MemoryBudget.of(cluster, shape, spec.memory.gpu_share, spec.memory.cpu_share)
     problem = Problem(cluster=cluster, shape=shape, quality=quality, budget=budget,
                       lam_max=spec.quality.budget, calibration=calib, seed=spec.seed,
@@ -319,7 +342,8 @@ def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path, cls: type[
         "topology": topo.model_dump(mode="json"), "model": w.model, "top_k": w.top_k,
         "quality": spec.quality.model_dump(mode="json"), "memory": spec.memory.model_dump(mode="json"),
         "router": spec.router.model_dump(mode="json"), "seed": spec.seed, "window": spec.window_s,
-        "calib": [w.trace, w.trace_params, w.calibration_tokens, w.users, w.zipf_s, w.prompt_tokens],
+        "calib": [w.trace, w.trace_params, w.calibration_tokens, w.users, w.zipf_s, w.prompt_tokens,
+                  w.tasks, w.task_concentration, w.task_mix, w.task_specificity],
         "inputs": [_digest(p) for p in (spec.quality.profile, w.trace) if Path(p).is_file()],
         "code": _code_version(),
         "router_code": _router_code(cls),

@@ -49,6 +49,43 @@ class WorkloadSpec(_Model):
                        "measured proxy's held-out trace) or 'auto' (proxy where it exists)")
     trace_params: dict[str, Any] | None = None
     calibration_tokens: int = Field(512, ge=1, le=1_000_000)
+    tasks: list[str] = Field(default_factory=lambda: ["prose", "math", "code"], min_length=1,
+                             max_length=64, description="request tasks, each with its own expert "
+                             "popularity in the synthetic trace; one task: no task locality")
+    task_concentration: float = Field(0.5, gt=0, le=1e6, description="Dirichlet concentration of "
+                                      "each home server's task mix (lower: homes differ more)")
+    task_mix: list[list[float]] | None = Field(None, description="explicit task mix, one row per "
+                                               "server (topology order), each summing to 1")
+    task_specificity: float | list[float] | None = Field(
+        None, description="per task (or one for all): share of experts whose popularity rank the "
+        "task re-draws, in [0, 1]; default by name (prose/code 0.25, math 0.75, others 0.5)")
+
+    @model_validator(mode="after")
+    def _tasks_valid(self) -> "WorkloadSpec":
+        if len(set(self.tasks)) != len(self.tasks):
+            raise ValueError("tasks must be distinct names")
+        spec = self.task_specificity
+        values = spec if isinstance(spec, list) else ([] if spec is None else [spec])
+        if any(not 0.0 <= v <= 1.0 for v in values):
+            raise ValueError("task_specificity must be in [0, 1]")
+        if isinstance(spec, list) and len(spec) != len(self.tasks):
+            raise ValueError(f"task_specificity lists {len(spec)} values for {len(self.tasks)} tasks")
+        if self.task_mix is not None:
+            for row in self.task_mix:
+                if len(row) != len(self.tasks) or any(v < 0 for v in row) or abs(sum(row) - 1) > 1e-6:
+                    raise ValueError(f"task_mix rows need {len(self.tasks)} non-negative shares "
+                                     "summing to 1")
+        return self
+
+    def task_trace_params(self) -> dict[str, Any]:
+        """The task knobs of the synthetic trace (``TraceParams`` overrides)."""
+        from workloads.requests import DEFAULT_TASK_SPECIFICITY
+
+        spec = self.task_specificity
+        if spec is None:
+            spec = [DEFAULT_TASK_SPECIFICITY.get(name, 0.5) for name in self.tasks]
+        return {"n_tasks": len(self.tasks),
+                "task_specificity": tuple(spec) if isinstance(spec, list) else float(spec)}
 
     @model_validator(mode="after")
     def _warmup_inside(self) -> "WorkloadSpec":

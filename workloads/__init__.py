@@ -17,8 +17,8 @@ from typing import Any
 
 _EXPORTS = {
     "models": ("MODELS", "ModelSpec", "get_model"),
-    "requests": ("Request", "RequestShape", "Users", "calibration_traffic",
-                 "generate_requests", "poisson_arrivals"),
+    "requests": ("DEFAULT_TASKS", "DEFAULT_TASK_SPECIFICITY", "Request", "RequestShape", "Users",
+                 "calibration_traffic", "generate_requests", "poisson_arrivals"),
     "traces": ("CALIBRATION_ID_BASE", "TARGETS", "JsonlTrace", "Routing", "SyntheticTrace",
                "TraceFormatError", "TraceParams", "TraceSource", "TraceTargets",
                "default_trace_params", "measure_stats", "write_jsonl"),

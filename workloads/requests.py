@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -21,6 +22,15 @@ _ARRIVAL_TAG = 0xA441
 _USER_TAG = 0x05E4
 _HOME_TAG = 0x4043
 _CALIB_TAG = 0xCA1
+_TASK_MIX_TAG = 0x7A5
+_TASK_DRAW_TAG = 0x7A6
+
+#: Default tasks and their specificity (share of experts whose popularity rank a task
+#: re-draws, ``TraceParams.task_specificity``). Choices guided by Jiang et al.,
+#: arXiv:2401.04088, Sec. 5 / Fig. 7: expert assignment is largely domain-independent
+#: except for DM Mathematics, so math moves more experts than prose and code.
+DEFAULT_TASKS = ("prose", "math", "code")
+DEFAULT_TASK_SPECIFICITY = {"prose": 0.25, "math": 0.75, "code": 0.25}
 
 
 @dataclass(frozen=True)
@@ -89,14 +99,24 @@ class Users:
     typically concentrated at a few hot sites. Default s = 1 is our choice: on
     10 servers the hottest server gets ~34% of users and the coldest ~3%.
     Requests come from users uniformly, so a server's load follows its users.
+
+    Tasks: each home server has its own task mix ``task_probs[n]`` over
+    ``n_tasks`` tasks: an explicit matrix ``task_mix`` (one row per server, each
+    summing to 1), or a seeded Dirichlet(``task_concentration``) draw per server
+    (lower concentration: more distinct homes; our default 0.5 is a choice, edge
+    sites serving different communities). One task gives every home the same mix.
     """
 
     n_users: int
     n_servers: int
     zipf_s: float = 1.0
     seed: int = 0
+    n_tasks: int = 1
+    task_concentration: float = 0.5
+    task_mix: tuple[tuple[float, ...], ...] | None = None
     server_probs: np.ndarray = field(init=False, repr=False, compare=False)
     homes: np.ndarray = field(init=False, repr=False, compare=False)
+    task_probs: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.n_users < 1 or self.n_servers < 1:
@@ -110,10 +130,45 @@ class Users:
         homes.setflags(write=False)
         object.__setattr__(self, "server_probs", probs)
         object.__setattr__(self, "homes", homes)
+        object.__setattr__(self, "task_probs", task_mix_matrix(
+            self.n_servers, self.n_tasks, self.task_concentration, self.task_mix, self.seed))
 
     def home_probs(self) -> np.ndarray:
         """Share of requests homed at each server (users are picked uniformly)."""
         return np.bincount(self.homes, minlength=self.n_servers) / self.n_users
+
+
+def task_mix_matrix(n_servers: int, n_tasks: int, concentration: float = 0.5,
+                    explicit: Sequence[Sequence[float]] | None = None, seed: int = 0) -> np.ndarray:
+    """(n_servers, n_tasks) task mix per home: ``explicit`` rows, or seeded Dirichlet draws."""
+    if n_tasks < 1:
+        raise ValueError("n_tasks must be >= 1")
+    if explicit is not None:
+        mix = np.asarray(explicit, dtype=float)
+        if mix.shape != (n_servers, n_tasks):
+            raise ValueError(f"task_mix must be {n_servers} rows of {n_tasks} shares, got {mix.shape}")
+        if np.any(mix < 0) or not np.allclose(mix.sum(axis=1), 1.0, atol=1e-6):
+            raise ValueError("task_mix rows must be non-negative and sum to 1")
+        mix = mix / mix.sum(axis=1, keepdims=True)
+    elif n_tasks == 1:
+        mix = np.ones((n_servers, 1))
+    else:
+        if not (concentration > 0 and math.isfinite(concentration)):
+            raise ValueError("task_concentration must be positive and finite")
+        mix = np.random.default_rng([seed, _TASK_MIX_TAG]).dirichlet(
+            np.full(n_tasks, float(concentration)), size=n_servers)
+    mix.setflags(write=False)
+    return mix
+
+
+def draw_tasks(task_probs: np.ndarray, homes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One task per home, drawn from that home's row of ``task_probs``."""
+    homes = np.asarray(homes, dtype=np.int64)
+    if task_probs.shape[1] == 1:
+        return np.zeros(len(homes), dtype=np.int64)
+    cum = np.cumsum(task_probs[homes], axis=1)
+    u = rng.random(len(homes))[:, None]
+    return np.minimum((u >= cum).sum(axis=1), task_probs.shape[1] - 1).astype(np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +181,7 @@ class Request:
     home: int
     prompt_tokens: int
     gen_tokens: int
+    task: int = 0  # index into the workload's tasks; routes by that task's popularity
 
     @property
     def n_tokens(self) -> int:
@@ -137,27 +193,34 @@ def generate_requests(rate_per_s: float, shape: RequestShape, users: Users, seed
     """Poisson arrivals from uniformly chosen users; ids 0..n-1 in arrival order.
 
     Ids stay below ``CALIBRATION_ID_BASE``, so evaluation routing never reuses
-    calibration routing.
+    calibration routing. Each request's task is drawn from its home's task mix
+    (``users.task_probs``) on a stream of its own, so arrivals and users do not
+    depend on the tasks.
     """
     rng = np.random.default_rng([seed, _ARRIVAL_TAG])
     times = poisson_arrivals(rate_per_s, rng, duration_s=duration_s, n_requests=n_requests)
     if len(times) >= CALIBRATION_ID_BASE:
         raise ValueError("too many requests: ids would reach the calibration range")
     who = rng.integers(0, users.n_users, size=len(times))
-    return [Request(id=i, arrival_s=float(t), user=int(u), home=int(users.homes[u]),
-                    prompt_tokens=shape.prompt_tokens, gen_tokens=shape.gen_tokens)
-            for i, (t, u) in enumerate(zip(times, who))]
+    homes = users.homes[who]
+    tasks = draw_tasks(users.task_probs, homes, np.random.default_rng([seed, _TASK_DRAW_TAG]))
+    return [Request(id=i, arrival_s=float(t), user=int(u), home=int(h),
+                    prompt_tokens=shape.prompt_tokens, gen_tokens=shape.gen_tokens, task=int(c))
+            for i, (t, u, h, c) in enumerate(zip(times, who, homes, tasks))]
 
 
 def calibration_traffic(trace: TraceSource, model: ModelSpec, home_probs: np.ndarray,
-                        n_tokens: int, seed: int, tokens_per_request: int = 36) -> CalibrationTraffic:
+                        n_tokens: int, seed: int, tokens_per_request: int = 36,
+                        task_probs: np.ndarray | None = None) -> CalibrationTraffic:
     """Held-out T_cal: ``n_tokens`` tokens with home servers and GLOBAL expert ids.
 
     Tokens come in requests of ``tokens_per_request`` (the default prompt
     length) with ids CALIBRATION_ID_BASE + i, disjoint from every evaluation
     request id (0 .. n-1), so the statistics match while the tokens differ.
     Every token of a calibration request shares its home, drawn from
-    ``home_probs`` (e.g. ``Users.home_probs()``).
+    ``home_probs`` (e.g. ``Users.home_probs()``). With ``task_probs`` (e.g.
+    ``Users.task_probs``), each calibration request's task is drawn from its
+    home's mix, so every placement profiles the same task mix as the run.
     """
     probs = np.asarray(home_probs, dtype=float)
     if probs.ndim != 1 or probs.size == 0 or np.any(probs < 0) or not math.isclose(probs.sum(), 1.0, abs_tol=1e-6):
@@ -167,7 +230,15 @@ def calibration_traffic(trace: TraceSource, model: ModelSpec, home_probs: np.nda
     n_req = -(-n_tokens // tokens_per_request)
     rng = np.random.default_rng([seed, _CALIB_TAG])
     homes_per_req = rng.choice(probs.size, size=n_req, p=probs / probs.sum())
-    blocks = [trace.route(CALIBRATION_ID_BASE + i, tokens_per_request).experts for i in range(n_req)]
+    if task_probs is None:
+        blocks = [trace.route(CALIBRATION_ID_BASE + i, tokens_per_request).experts for i in range(n_req)]
+    else:
+        mix = np.asarray(task_probs, dtype=float)
+        if mix.ndim != 2 or mix.shape[0] != probs.size:
+            raise ValueError("task_probs must have one row per home server")
+        tasks = draw_tasks(mix, homes_per_req, rng)
+        blocks = [trace.route(CALIBRATION_ID_BASE + i, tokens_per_request, int(c)).experts
+                  for i, c in enumerate(tasks)]
     local = np.concatenate(blocks)[:n_tokens]
     offsets = np.arange(model.n_layers, dtype=np.int64)[None, :, None] * model.experts_per_layer
     homes = np.repeat(homes_per_req, tokens_per_request)[:n_tokens]

@@ -154,7 +154,7 @@ class Worker:
             n_tok = spec.workload.prompt_tokens + spec.workload.gen_tokens
             self.proxy = stepper_for_run(  # the reference follows the trace's experts, as the run
                 spec, [rq.id for rq in s.requests],
-                lambda rid: np.asarray(s.trace.route(rid, n_tok).experts))
+                lambda rid: np.asarray(s.routing(rid, n_tok).experts))
             self.proxy.prepare()  # every request's exact reference, before the clock starts
             self.bank = ProxyBank(self.proxy, reps, s.shape.experts_per_layer)
             self.d = self.proxy.cfg.d_model
@@ -316,7 +316,7 @@ class Worker:
     def _routing(self, rid: int, n_tokens: int):
         got = self.routing_cache.get(rid)
         if got is None:
-            r = self.setup.trace.route(rid, n_tokens)
+            r = self.setup.routing(rid, n_tokens)
             E = self.setup.shape.experts_per_layer
             glob = np.asarray(r.experts) + (np.arange(self.L) * E)[None, :, None]
             got = (glob.tolist(), np.asarray(r.weights, dtype=np.float32))
