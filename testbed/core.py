@@ -28,6 +28,7 @@ from hetroute.state import Assignment, ExecType, StateView, TokenView, Unroutabl
 from .records import TokenLayerRecord
 
 DECISION_SAMPLES = 256  # token-layers timed at set-up for ``decision_s: calibrated``
+DECISION_REPEATS = 5  # passes over them; each token-layer's fastest pass counts
 
 
 @dataclass(slots=True)
@@ -162,11 +163,18 @@ class TokenLayerCore:
         acc["q"] += self.lambda_q * rec.dq
 
 
-def calibrate_decision_s(router: Router, samples: int = DECISION_SAMPLES) -> float:
-    """Median CPU seconds of one decision of this router on its calibration
-    tokens (a fresh instance bound to the same deployment, empty views), rounded
-    to a microsecond: the constant the simulator charges per decision under
-    ``decision_s: calibrated``."""
+def calibrate_decision_s(router: Router, samples: int = DECISION_SAMPLES,
+                         repeats: int = DECISION_REPEATS, clock=time.thread_time) -> float:
+    """CPU seconds of one decision of this router on its calibration tokens (a fresh
+    instance bound to the same deployment, empty views), rounded to a microsecond: the
+    constant the simulator charges per decision under ``decision_s: calibrated``.
+
+    Each token-layer is decided ``repeats`` times; its cost is the fastest of them, and
+    the constant is the median over token-layers. A decision's CPU time grows when other
+    processes share the cores (caches, memory bandwidth, a busy hyperthread sibling): with
+    one pass, a sweep's constants rose by up to 2x beside another job. The fastest of
+    several passes is what the decision costs the machine alone, and the first pass's
+    warm-up (caches, a JIT's first call) drops out too."""
     r = type(router)(router.problem, router.params)
     r.bind(router.deployment)
     pr = r.problem
@@ -174,15 +182,17 @@ def calibrate_decision_s(router: Router, samples: int = DECISION_SAMPLES) -> flo
     cal = pr.calibration
     deciders = [r.decider(n) for n in range(N)]
     views = [StateView(N) for _ in range(N)]
-    spent = []
-    for i in range(min(samples, len(cal.homes) * L)):
-        tok, layer = i // L, i % L
-        home = int(cal.homes[tok])
-        tv = TokenView(-1 - tok, 0, home, pr.lam_max, layer=layer)
-        try:
-            t0 = time.thread_time()
-            deciders[home].route(tv, tuple(int(e) for e in cal.targets[tok, layer]), views[home])
-            spent.append(time.thread_time() - t0)
-        except Unroutable:
-            continue
-    return round(statistics.median(spent), 6) if spent else 0.0
+    best: dict[int, float] = {}
+    for _ in range(max(1, repeats)):
+        for i in range(min(samples, len(cal.homes) * L)):
+            tok, layer = i // L, i % L
+            home = int(cal.homes[tok])
+            tv = TokenView(-1 - tok, 0, home, pr.lam_max, layer=layer)
+            try:
+                t0 = clock()
+                deciders[home].route(tv, tuple(int(e) for e in cal.targets[tok, layer]), views[home])
+                spent = clock() - t0
+            except Unroutable:
+                continue
+            best[i] = min(spent, best.get(i, spent))
+    return round(statistics.median(best.values()), 6) if best else 0.0

@@ -170,3 +170,30 @@ def test_metrics_carry_each_routers_memory_use_against_its_budget(tmp_path):
         assert 0 <= m["mem_cpu_gb"] <= m["mem_budget_cpu_gb"] + 1e-9
     table = format_table(rows)
     assert "GPU GB" in table and "1.00x" in table
+
+
+def test_decision_calibration_keeps_each_decisions_fastest_pass():
+    """A pass slowed by other load (here: the first, every decision 10x) or one slow
+    decision in another pass does not move the constant: each token-layer counts its
+    fastest pass, the constant is their median."""
+    from testbed.core import calibrate_decision_s
+    from testbed.setup import build_setup
+
+    s = build_setup(parse_spec(TINY).with_overrides({"engine.decision_s": 0.0}))
+    calls = {"n": 0, "t": 0.0}
+
+    def clock():  # start and stop alternate; decision j of pass p lasts dur(p, j)
+        k = calls["n"]
+        calls["n"] += 1
+        if k % 2 == 0:
+            return calls["t"]
+        j = k // 2
+        p, i = divmod(j, per_pass)
+        calls["t"] += (10 if p == 0 else 1) * (1 + i % 3) * 1e-6 + (5e-3 if (p, i) == (2, 7) else 0)
+        return calls["t"]
+
+    L = s.shape.n_layers
+    per_pass = min(64, len(s.problem.calibration.homes) * L)
+    assert calibrate_decision_s(s.router, samples=64, repeats=3, clock=clock) == 2e-6
+    calls.update(n=0, t=0.0)
+    assert calibrate_decision_s(s.router, samples=64, repeats=1, clock=clock) == 2e-5  # one pass: the loaded one
