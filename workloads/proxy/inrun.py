@@ -17,7 +17,7 @@ earlier positions of its text and to its own key and value from the run's
 state. What a token's in-run loss measures is the effect of its own routing
 choices through every layer, which is what the surrogate Lambda (eq. 8)
 accumulates per token; errors that earlier positions would pass on through
-attention are left out. The post-run replay (``replay.py``) re-executes whole
+attention are left out. The post-run replay (``replay``) re-executes whole
 requests and includes them; for the first position, and whenever only the
 last position is perturbed, the two agree (tests/test_proxy_inrun.py).
 
