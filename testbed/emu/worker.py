@@ -55,6 +55,7 @@ from hetroute.state import Assignment, StateView, TokenView, Unroutable
 
 from ..core import Routed, TokenLayerCore
 from ..progress import FINISHED, RequestProgress
+from ..quality_inrun import INRUN_DIR, stepper_for_run
 from ..records import RecordWriter
 from ..setup import build_setup
 from ..spec import parse_spec
@@ -150,7 +151,6 @@ class Worker:
         torch.set_num_threads(1)
         self.proxy = None  # quality.inrun: the proxy's real hidden states and trained experts
         if spec.quality.inrun:
-            from workloads.proxy.inrun import INRUN_DIR, stepper_for_run
             n_tok = spec.workload.prompt_tokens + spec.workload.gen_tokens
             self.proxy = stepper_for_run(  # the reference follows the trace's experts, as the run
                 spec, [rq.id for rq in s.requests],
