@@ -22,34 +22,38 @@ from ..system import Precision
 from .base import Router, RouterParams
 
 
+# Defaults live with the algorithms (one source of truth); the router exposes them as knobs.
+_A1, _A2, _FB = Alg1Params(), Alg2Params(), FeedbackParams()
+
+
 class HetRouteParams(RouterParams):
     # Algorithm 1
-    memory_ratio: float = Field(2.0, ge=1.0)
+    memory_ratio: float = Field(_A1.memory_ratio, ge=1.0)
     precisions: tuple[Literal["fp16", "int8", "int4"], ...] = ("fp16", "int8", "int4")
-    max_replicas_per_expert: int = Field(6, ge=1)
-    replication_cap: int | None = Field(None, ge=0)
-    memory_price: float = Field(1e-13, ge=0)
-    residency: Literal["routing", "frequency"] = "routing"
-    replicate: bool = True
-    diminishing_returns: bool = True
-    residency_order: Literal["density", "value"] = "density"
-    replication_order: Literal["density", "value"] = "density"
-    fill_gpu: bool = True
-    stage2_rounds: int = Field(4, ge=1)
+    max_replicas_per_expert: int = Field(_A1.max_replicas_per_expert, ge=1)
+    replication_cap: int | None = Field(_A1.replication_cap, ge=0)
+    memory_price: float = Field(_A1.memory_price, ge=0)
+    residency: Literal["routing", "frequency"] = _A1.residency
+    replicate: bool = _A1.replicate
+    diminishing_returns: bool = _A1.diminishing_returns
+    residency_order: Literal["density", "value"] = _A1.residency_order
+    replication_order: Literal["density", "value"] = _A1.replication_order
+    fill_gpu: bool = _A1.fill_gpu
+    stage2_rounds: int = Field(_A1.stage2_rounds, ge=1)
     # cost model (eq. 9)
-    lambda_q: float = Field(2.0, ge=0, description="seconds per unit of quality loss")
+    lambda_q: float = Field(_A1.lambda_q, ge=0, description="seconds per unit of quality loss")
     include_propagation: bool = True
     # Algorithm 2
-    beam_width: int = Field(8, ge=1)
-    enum_limit: int = Field(64, ge=1)
+    beam_width: int = Field(_A2.beam_width, ge=1)
+    enum_limit: int = Field(_A2.enum_limit, ge=1)
     window_s: float | None = Field(None, gt=0, description="Delta t of guard (19); None: the run's window")
-    local_threshold_s: float = Field(0.002, ge=0)
-    set_level: bool = True
-    fast_path: bool = True
-    exchange: bool = True
-    lookahead_weight: float = Field(1.0, ge=0)
+    local_threshold_s: float = Field(_A2.local_threshold_s, ge=0)
+    set_level: bool = _A2.set_level
+    fast_path: bool = _A2.fast_path
+    exchange: bool = _A2.exchange
+    lookahead_weight: float = Field(_A2.lookahead_weight, ge=0)
     # feedback (eq. 21)
-    feedback_eta: float = Field(0.05, ge=0)
+    feedback_eta: float = Field(_FB.eta, ge=0)
     feedback_min_change: float = Field(0.02, ge=0, description="re-price only past this relative change")
 
     def alg1(self) -> Alg1Params:
