@@ -15,9 +15,12 @@ import numpy as np
 import pandas as pd
 
 from hetroute.routers import get_router
+from hetroute.routing.algorithm2 import SetLevelRouter
 from hetroute.system import FULL_PRECISION
 from testbed.conformance import check_router, run_sim, spec_for
+from testbed.records import RecordWriter
 from testbed.setup import build_setup
+from testbed.sim.backend import SimBackend
 
 CASE = ("paper10", "mixtral-8x7b")  # HetRoute places INT8/INT4 replicas there
 
@@ -62,3 +65,44 @@ def test_the_checker_names_the_quality_rule():
     assert "quality" in report.format()
     honest = check_router("hetroute", topologies=(CASE[0],), models=(CASE[1],))
     assert honest.ok, honest.format()
+
+
+# -- feedback from records keeps the backend-driven window semantics -----------------------
+class TickFed(get_router("hetroute")):
+    """HetRoute fed as before the contract change: the backend sums each decider's realized
+    costs and applies them at every window tick (``TickBackend``)."""
+
+    def route(self, tok, targets, view):
+        return self.engine.route(tok, targets, view)  # no window bookkeeping of its own
+
+    def on_layer_done(self, record):
+        super().on_layer_done(record._replace(window=self._fb_window))  # only accumulate
+
+
+class TickBackend(SimBackend):
+    def _window(self, arg) -> None:
+        super()._window(arg)
+        for d in {id(x): x for x in self.deciders}.values():
+            d._close_feedback_window(d._fb_window)  # at the tick, as the backend used to
+
+
+def test_feedback_from_records_decides_as_feedback_at_window_ticks(monkeypatch):
+    updates = []
+    set_weights = SetLevelRouter.set_weights
+    monkeypatch.setattr(SetLevelRouter, "set_weights",
+                        lambda self, w: (updates.append(w), set_weights(self, w))[1])
+    runs = []
+    for name, backend in (("hetroute", SimBackend), (f"{__name__}:TickFed", TickBackend)):
+        s = build_setup(spec_for(name, "small3", "mixtral-8x7b", duration_s=1.0, rate_per_s=40))
+        writer = RecordWriter(None, s.shape.top_k)
+        backend(s, writer).run()
+        writer.close()
+        runs.append((writer.frames(), len(updates)))
+        updates.clear()
+    (new, n_new), (old, n_old) = runs
+    assert n_new > 0, "the feedback never re-priced: the test proves nothing"
+    pd.testing.assert_frame_equal(new[0], old[0])
+    pd.testing.assert_frame_equal(new[1], old[1])
+    # a window is applied when the decider next decides or records, so the last window of
+    # each decider (3 servers), which no decision follows, may stay unapplied
+    assert 0 <= n_old - n_new <= 3
