@@ -137,11 +137,13 @@ class Assignment:
     """z_{i,l}: one executed replica per target, and the aggregation server theta_{i,l+1}.
 
     ``replicas[j]`` indexes ``Deployment.replicas`` and serves ``targets[j]``;
-    ``dq`` is the layer's quality increment (the inner sums of eq. 8) and
-    ``est_delay`` the router's own estimate of D_{i,l} (NaN if it has none).
+    ``dq`` is the layer's quality increment (the inner sums of eq. 8) as the router
+    believes it: the backend derives the increment it accounts from the quality
+    model and never uses this one (a differing value is counted as misreported).
+    ``est_delay`` is the router's own estimate of D_{i,l} (NaN if it has none).
     ``prefetch`` lists replicas to copy into their server's GPU ahead of use
-    (dynamic-cache routers); the backend calls the server's decider back with
-    ``on_prefetched`` once a copy lands.
+    (online-cache routers); the backend tells the server's residency
+    (``Router.residency``) with ``on_prefetched`` once a copy lands.
     """
 
     targets: tuple[int, ...]

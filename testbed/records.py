@@ -41,7 +41,8 @@ REQUEST_COLUMNS = (
 
 class TokenLayerRecord(NamedTuple):
     """One row of ``token_layers``: the scalars in ``TOKEN_LAYER_SCALARS`` order, then k
-    values per list column (``TOKEN_LAYER_LISTS``). A named tuple: typed fields, and cheap
+    values per list column (``TOKEN_LAYER_LISTS``), then context fields that routers read in
+    ``on_layer_done`` and the table does not store. A named tuple: typed fields, and cheap
     on the hot path of both backends."""
 
     request: int
@@ -70,9 +71,13 @@ class TokenLayerRecord(NamedTuple):
     precisions: list
     gpus: list
     exec_types: list
+    # context for ``Router.on_layer_done``, not written to the table
+    offload_s: float = 0.0  # the world's GPU-CPU load time of the layer (its slowest CPU-tier replica)
+    window: int = -1  # the scheduling window (backend's count) in which the layer completed
 
 
 N_SCALARS = len(TOKEN_LAYER_SCALARS)
+N_WRITTEN = N_SCALARS + len(TOKEN_LAYER_LISTS)  # fields of a record that the table stores
 
 
 class RecordWriter:
@@ -96,7 +101,7 @@ class RecordWriter:
     def token_layer(self, rec: TokenLayerRecord) -> None:
         for app, v in zip(self._apps, rec):  # the scalars come first
             app(v)
-        for ext, vs in zip(self._exts, rec[N_SCALARS:]):
+        for ext, vs in zip(self._exts, rec[N_SCALARS:N_WRITTEN]):
             ext(vs)
         self.rows += 1
         if self.rows % self.flush_rows == 0:

@@ -100,6 +100,7 @@ class HetRoute(Router):
         super().bind(deployment)
         self.engine = self._engine(deployment)
         self.feedback = UnitCostFeedback(FeedbackParams(eta=self.params.feedback_eta))
+        self._open_feedback_window()
 
     def decider(self, server: int) -> "HetRoute":
         if self.params.feedback_eta == 0:
@@ -107,12 +108,43 @@ class HetRoute(Router):
         d = self.clone()
         d.engine = self.engine.spawn()
         d.feedback = UnitCostFeedback(self.feedback.params)
+        d._open_feedback_window()
         return d
 
     def route(self, tok: TokenView, targets: tuple[int, ...], view: StateView) -> Assignment:
+        if view.window != self._fb_window:  # a window closed since this decider last looked
+            self._close_feedback_window(view.window)
         return self.engine.route(tok, targets, view)
 
-    def on_window(self, realized: dict[str, float]) -> None:
+    # -- feedback (eq. 21) from the records of finished token-layers --------------------
+    def _open_feedback_window(self) -> None:
+        self._fb_window = -1  # the scheduling window the realized costs below belong to
+        self._realized = dict(tx=0.0, off=0.0, cq=0.0, q=0.0)
+
+    def on_layer_done(self, record) -> None:
+        """Add a finished layer's realized cost components (tx, off, cq, q) to its
+        window's; the window's total updates the unit costs once the window closed,
+        before this decider's next decision or record (eq. 21)."""
+        if self.params.feedback_eta == 0:
+            return
+        if record.window != self._fb_window:
+            self._close_feedback_window(record.window)
+        acc = self._realized
+        off = record.offload_s
+        acc["tx"] += record.fanout_s + record.fanin_s
+        acc["off"] += off
+        acc["cq"] += record.compute_s - off if record.compute_s > off else 0.0
+        acc["q"] += self.params.lambda_q * record.dq
+
+    def _close_feedback_window(self, window: int) -> None:
+        r = self._realized
+        self._fb_window = window
+        if r["tx"] or r["off"] or r["cq"] or r["q"]:
+            self._apply_feedback(dict(r))
+            for key in r:
+                r[key] = 0.0
+
+    def _apply_feedback(self, realized: dict[str, float]) -> None:
         w = self.feedback.update(realized)
         if w is None:
             return

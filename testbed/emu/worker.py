@@ -145,7 +145,8 @@ class Worker:
         self.window = spec.window_s
         self.dep = s.deployment
         self.decider = s.router.decider(self.rank)
-        self.dynamic = type(s.router).dynamic_residency
+        #: this server's GPU tiers (static, or the router's online cache), as in the simulator
+        self.residency = self.decider.residency(self.rank)
         reps = {i: r for i, r in enumerate(self.dep.replicas) if r.server == self.rank}
         act = "relu" if s.model.expert_matrices == 2 else "swiglu"
         torch.set_num_threads(1)
@@ -179,7 +180,6 @@ class Worker:
         self.last_heard = [0.0] * self.N
         self.reachable = [True] * self.N
         self.writer = RecordWriter(Path(cfg.run_dir), self.k, part_prefix=f"w{self.rank}-")
-        self.realized = dict(tx=0.0, off=0.0, cq=0.0, q=0.0)
         self.parts: dict[tuple, _Participation] = {}
         self.gathers: dict[tuple, _Gather] = {}
         self.home_requests = [rq for rq in s.requests if rq.home == self.rank]
@@ -203,10 +203,10 @@ class Worker:
         self.loop = loop
         eng = self.spec.engine
         prec = [r.precision for r in self.dep.replicas]
-        sched = StepScheduler(self.core.world, self.rank, prec.__getitem__, self._resident,
+        sched = StepScheduler(self.core.world, self.rank, prec.__getitem__, self.residency.is_gpu,
                               scope="layer" if self.hardware else "replica",
                               max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
-                              on_execute=self._on_execute if self.dynamic else None)
+                              on_execute=self.residency.on_execute)
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
                                     self.wall, self._log)
         if self.cfg.rendezvous is not None:  # peers from the store, not from the config
@@ -268,9 +268,6 @@ class Worker:
         snap = list(self.peer_backlog)
         snap[self.rank] = backlog
         self.view.refresh(window, window * self.window, snap, list(self.reachable))
-        if any(self.realized.values()):
-            self.decider.on_window(dict(self.realized))
-            self.realized = dict(tx=0.0, off=0.0, cq=0.0, q=0.0)
         self._check_timeouts()
         self.loop.call_at(self.wall((window + 1) * self.window), self._tick, window + 1)
 
@@ -370,7 +367,8 @@ class Worker:
         tv.ctx = tuple(rctx) if rctx else None
         view = self.view
         try:
-            routed = self.core.decide(self.decider, view, tv, targets, self._true_backlog)
+            routed = self.core.decide(self.decider, self.residency, view, tv, targets,
+                                      self._true_backlog)
         except Unroutable as err:
             self._token_failed(hdr, str(err))
             return
@@ -585,10 +583,10 @@ class Worker:
         tv = TokenView(int(h.request), int(h.token), int(h.home), 0.0, server=theta,
                        layer=int(h.layer))
         rec = self.core.record(tv, routed, gpus, float(h.t_origin), t_disp - decision_us * 1e-6,
-                               t_disp, fo_end, comp_end, t, n_bytes, len(g.partials))
+                               t_disp, fo_end, comp_end, t, n_bytes, len(g.partials), self.view.window)
         self.writer.token_layer(rec)
         self.stats["token_layers"] += 1
-        self.core.realize(rec, self.realized)
+        self.decider.on_layer_done(rec)  # recorded (and fed back) where the layer aggregates
         lam = float(h.lam_acc) + dq
         nxt = Header(MsgType.TOKEN, request=h.request, seq=h.seq, token=h.token, layer=int(h.layer) + 1,
                      home=h.home, residing=self.rank, src=self.rank, lam_acc=lam, t_origin=t,
@@ -667,14 +665,7 @@ class Worker:
         if self.pending_home == 0:
             print("HOMEDONE", flush=True)
 
-    # -- residency hooks (dynamic caches) --------------------------------------------------
-    def _resident(self, r: int) -> bool:
-        return self.decider.gpu_resident(r) if self.dynamic else self.dep.replicas[r].gpu
-
-    def _on_execute(self, r: int, loaded: bool) -> None:
-        if self.dynamic:
-            self.decider.on_execute(r, loaded)
-
+    # -- prefetch copies (online caches) ----------------------------------------------------
     def _prefetch(self, replicas) -> None:
         """Copies into this server's GPU on its copy engine (local replicas only)."""
         t = time.monotonic()
@@ -684,7 +675,7 @@ class Worker:
                 continue
             start = max(t, free)
             free = start + self._load_of(r) * self.T
-            self.loop.call_at(free, self.decider.on_prefetched, r)
+            self.loop.call_at(free, self.residency.on_prefetched, r)
         self._copy_free = free
 
     def close(self) -> dict:
@@ -696,6 +687,7 @@ class Worker:
         svc = np.array(st.service) if st.service else np.zeros((1, 2))
         rel = svc[:, 1] / np.maximum(svc[:, 0], 1e-12)
         return {**self.stats, "rank": self.rank, "batches": st.batches, "jobs": st.jobs,
+                "dq_misreported": self.core.dq_misreported,
                 "kernel_errors": st.kernel_errors,
                 "cpu_s": time.process_time(), "cpu_run_s": getattr(self, "cpu_run_s", None),
                 "release_late_p50_ms": float(np.percentile(late, 50) * 1e3),
