@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -165,3 +166,41 @@ class Unroutable(RuntimeError):
     Only possible when faults removed every full-precision replica of an expert;
     the backend then reports the request as failed (never silently lost).
     """
+
+
+class TokenLayerRecord(NamedTuple):
+    """A finished token-layer, as the backends record it and routers see it in
+    ``Router.on_layer_done``: the scalars (in the column order of the backends' table,
+    ``testbed.records.TOKEN_LAYER_SCALARS``), then k values per target, then context
+    fields the table does not store. A named tuple: typed fields, and cheap on the hot
+    path of both backends."""
+
+    request: int
+    token: int
+    layer: int
+    t_start: float
+    server: int
+    next_server: int
+    participants: int
+    fanout_s: float
+    compute_s: float
+    fanin_s: float
+    total_s: float
+    bytes: int
+    dq: float
+    est_delay_s: float
+    view_age_s: float
+    backlog_err_s: float
+    dense_s: float
+    decision_s: float
+    # per target (k each)
+    targets: tuple
+    exec_experts: list
+    replicas: tuple
+    exec_servers: list
+    precisions: list
+    gpus: list
+    exec_types: list
+    # context for ``Router.on_layer_done``, not written to the table
+    offload_s: float = 0.0  # the world's GPU-CPU load time of the layer (its slowest CPU-tier replica)
+    window: int = -1  # the scheduling window (backend's count) in which the layer completed

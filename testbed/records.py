@@ -10,12 +10,13 @@ length k.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from hetroute.state import TokenLayerRecord
 
 
 TOKEN_LAYER_SCALARS = (
@@ -39,41 +40,9 @@ REQUEST_COLUMNS = (
 )
 
 
-class TokenLayerRecord(NamedTuple):
-    """One row of ``token_layers``: the scalars in ``TOKEN_LAYER_SCALARS`` order, then k
-    values per list column (``TOKEN_LAYER_LISTS``), then context fields that routers read in
-    ``on_layer_done`` and the table does not store. A named tuple: typed fields, and cheap
-    on the hot path of both backends."""
-
-    request: int
-    token: int
-    layer: int
-    t_start: float
-    server: int
-    next_server: int
-    participants: int
-    fanout_s: float
-    compute_s: float
-    fanin_s: float
-    total_s: float
-    bytes: int
-    dq: float
-    est_delay_s: float
-    view_age_s: float
-    backlog_err_s: float
-    dense_s: float
-    decision_s: float
-    # per target (k each)
-    targets: tuple
-    exec_experts: list
-    replicas: tuple
-    exec_servers: list
-    precisions: list
-    gpus: list
-    exec_types: list
-    # context for ``Router.on_layer_done``, not written to the table
-    offload_s: float = 0.0  # the world's GPU-CPU load time of the layer (its slowest CPU-tier replica)
-    window: int = -1  # the scheduling window (backend's count) in which the layer completed
+# The record type lives with the method (``hetroute.state``): routers read it in
+# ``on_layer_done``. Its scalar fields come first, in the table's column order.
+assert TokenLayerRecord._fields[:len(TOKEN_LAYER_SCALARS)] == tuple(n for n, _ in TOKEN_LAYER_SCALARS)
 
 
 N_SCALARS = len(TOKEN_LAYER_SCALARS)

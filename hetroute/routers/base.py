@@ -31,7 +31,7 @@ from __future__ import annotations
 import abc
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,11 +41,9 @@ from ..placement.calibration import CalibrationTraffic
 from ..quality import QualityModel
 from ..residency import Residency, StaticTiers
 from ..service import ServiceModel, make_service
-from ..state import Assignment, StateView, TokenView
+from ..state import Assignment, StateView, TokenLayerRecord, TokenView
 from ..system import Cluster, MoEShape
 
-if TYPE_CHECKING:  # the record type lives with the backends that write it
-    from testbed.records import TokenLayerRecord
 
 
 class RouterParams(BaseModel):
@@ -148,7 +146,7 @@ class Router(abc.ABC):
 
     def on_layer_done(self, record: "TokenLayerRecord") -> None:
         """A token-layer this decider routed is done (in the emulator: one aggregated at its
-        server, where the record is made). The ``testbed.records.TokenLayerRecord`` has
+        server, where the record is made). The ``hetroute.state.TokenLayerRecord`` has
         its times, bytes, executed replicas and tiers, the derived quality increment
         ``dq``, the world's offload time ``offload_s`` and the scheduling ``window`` it
         completed in. Feedback such as eq. (21) is computed here by the router itself."""
