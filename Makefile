@@ -66,6 +66,9 @@ compare: $(STAMP)
 
 quality-profile: $(STAMP)
 	$(PYTHON) -m workloads.proxy profile --all
+	for m in switch-base-8 qwen1.5-moe-a2.7b mixtral-8x7b; do \
+	  $(PYTHON) -m analysis.quality.surrogate results/quality/$$m --out results/quality/$$m/surrogate.png \
+	    --title "$$m proxy: random plans on held-out text" || exit 1; done
 
 ## clean-net: remove every namespace, interface, qdisc, rule and cgroup the emulator made
 clean-net:

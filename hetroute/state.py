@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -137,11 +138,13 @@ class Assignment:
     """z_{i,l}: one executed replica per target, and the aggregation server theta_{i,l+1}.
 
     ``replicas[j]`` indexes ``Deployment.replicas`` and serves ``targets[j]``;
-    ``dq`` is the layer's quality increment (the inner sums of eq. 8) and
-    ``est_delay`` the router's own estimate of D_{i,l} (NaN if it has none).
+    ``dq`` is the layer's quality increment (the inner sums of eq. 8) as the router
+    believes it: the backend derives the increment it accounts from the quality
+    model and never uses this one (a differing value is counted as misreported).
+    ``est_delay`` is the router's own estimate of D_{i,l} (NaN if it has none).
     ``prefetch`` lists replicas to copy into their server's GPU ahead of use
-    (dynamic-cache routers); the backend calls the server's decider back with
-    ``on_prefetched`` once a copy lands.
+    (online-cache routers); the backend tells the server's residency
+    (``Router.residency``) with ``on_prefetched`` once a copy lands.
     """
 
     targets: tuple[int, ...]
@@ -163,3 +166,41 @@ class Unroutable(RuntimeError):
     Only possible when faults removed every full-precision replica of an expert;
     the backend then reports the request as failed (never silently lost).
     """
+
+
+class TokenLayerRecord(NamedTuple):
+    """A finished token-layer, as the backends record it and routers see it in
+    ``Router.on_layer_done``: the scalars (in the column order of the backends' table,
+    ``testbed.records.TOKEN_LAYER_SCALARS``), then k values per target, then context
+    fields the table does not store. A named tuple: typed fields, and cheap on the hot
+    path of both backends."""
+
+    request: int
+    token: int
+    layer: int
+    t_start: float
+    server: int
+    next_server: int
+    participants: int
+    fanout_s: float
+    compute_s: float
+    fanin_s: float
+    total_s: float
+    bytes: int
+    dq: float
+    est_delay_s: float
+    view_age_s: float
+    backlog_err_s: float
+    dense_s: float
+    decision_s: float
+    # per target (k each)
+    targets: tuple
+    exec_experts: list
+    replicas: tuple
+    exec_servers: list
+    precisions: list
+    gpus: list
+    exec_types: list
+    # context for ``Router.on_layer_done``, not written to the table
+    offload_s: float = 0.0  # the world's GPU-CPU load time of the layer (its slowest CPU-tier replica)
+    window: int = -1  # the scheduling window (backend's count) in which the layer completed

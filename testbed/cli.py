@@ -277,3 +277,29 @@ def show_spec(spec: str | None = typer.Argument(None, help="spec to resolve (def
         _fail(str(err))
         return
     typer.echo(s.to_yaml(), nl=False)
+
+
+@app.command("quality-replay")
+def quality_replay(run: Path = typer.Argument(..., help="finished run folder"),
+                   trace: Path | None = typer.Option(None, help="default: the run's workload.trace"),
+                   profile: Path | None = typer.Option(None, help="default: the run's quality.profile"),
+                   cache: Path | None = typer.Option(None, help="proxy weight cache (default: the "
+                                                                 "proxy that made the trace)")) -> None:
+    """Measured quality of a finished run on its proxy trace: writes quality_replay.csv and quality.json."""
+    import json
+    import sys
+
+    if not (run / "spec.resolved.yaml").exists():
+        _fail(f"{run}: not a run folder (no spec.resolved.yaml)")
+        return
+    import torch  # the replay runs the proxy; imported here, as it costs about 1 s
+
+    from .quality_replay import replay_run_dir
+    torch.set_num_threads(1)  # bit-reproducible, and the machine is shared
+    try:
+        summary = replay_run_dir(run, trace, profile, cache,
+                                 lambda m: print(m, file=sys.stderr, flush=True))
+    except ValueError as err:  # SpecError and ProfileError are ValueErrors
+        _fail(str(err))
+        return
+    typer.echo(json.dumps(summary, indent=1))

@@ -11,6 +11,11 @@ Per topology x model (default: small3 and paper10 x Switch, Qwen, Mixtral):
 - **records**: every target of every token-layer is executed by an existing replica that
   is exact, a listed substitute or a full-precision fallback; at most k participants;
   every token passes every layer and its trajectory is connected;
+- **quality**: the quality increment a router reports (``Assignment.dq``) is the one the
+  quality model gives for the replicas it chose (0 for exact full-precision executions).
+  The backend never uses the reported value (it derives every increment itself, so a
+  misreport cannot escape the budget); a router whose own budget arithmetic is wrong
+  fails here;
 - **determinism**: two runs with fresh router instances give identical records;
 - **causality**: changing one token's gated experts from a middle layer on leaves every
   decision taken before that token-layer unchanged (a router reads only what it could
@@ -36,7 +41,7 @@ from hetroute.system import FULL_PRECISION
 
 from .records import RecordWriter, flat
 from .setup import RunSetup, build_setup
-from .sim.backend import SimBackend
+from .sim.backend import SimBackend, SimStats
 from .spec import ExperimentSpec, SpecError, parse_spec
 
 TOPOLOGIES = ("small3", "paper10")
@@ -45,7 +50,7 @@ WORKLOAD = {"duration_s": 0.3, "warmup_s": 0.05, "rate_per_s": 20, "prompt_token
             "calibration_tokens": 64, "users": 20}
 DECISION_COLUMNS = ["request", "token", "layer", "t_start", "server", "next_server", "participants",
                     "dq", "est_delay_s", "replica", "exec_server", "exec_expert"]
-CHECKS = ("setup", "placement", "records", "determinism", "causality")
+CHECKS = ("setup", "placement", "records", "quality", "determinism", "causality")
 
 HINTS = {
     "setup": "the router could not be built or placed; the message names the line that raised",
@@ -56,6 +61,11 @@ HINTS = {
     "records": "route() must return, per target, a replica that exists and runs the target "
                "itself, one of quality.substitutes[target], or its FP16 copy (fallback), on at "
                "most k servers, with next_server a valid server",
+    "quality": "Assignment.dq must be the sum over targets of quality.increment(target, "
+               "executed expert, precision) of the replicas route() returns (leave it 0 only "
+               "if every execution is the target's own FP16 copy); the backend accounts the "
+               "budget from the quality model, so a router that under-reports dq only fools "
+               "its own budget checks",
     "determinism": "route() and any state it keeps must depend only on its inputs and "
                    "problem.seed: use np.random.default_rng(problem.seed), never an unseeded "
                    "generator, wall time, or iteration over a set of objects",
@@ -120,16 +130,23 @@ def fresh(setup: RunSetup) -> RunSetup:
     return dataclasses.replace(setup, router=router)
 
 
-def simulate(setup: RunSetup, request_targets: Callable | None = None
-             ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """One short run on the simulator with a fresh router; records in memory."""
+def run_sim(setup: RunSetup, request_targets: Callable | None = None
+            ) -> tuple[pd.DataFrame, pd.DataFrame, SimStats]:
+    """One short run on the simulator with a fresh router: records in memory, and the
+    run's statistics (``dq_misreported`` among them)."""
     s = fresh(setup)
     if request_targets is not None:
         s.request_targets = request_targets  # shadows the method on this instance
     writer = RecordWriter(None, s.shape.top_k)
-    SimBackend(s, writer).run()
+    stats = SimBackend(s, writer).run()
     writer.close()
-    return writer.frames()
+    return (*writer.frames(), stats)
+
+
+def simulate(setup: RunSetup, request_targets: Callable | None = None
+             ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """One short run on the simulator with a fresh router; records in memory."""
+    return run_sim(setup, request_targets)[:2]
 
 
 def check_placement(s: RunSetup) -> None:
@@ -190,6 +207,17 @@ def check_records(s: RunSetup, tl: pd.DataFrame, rq: pd.DataFrame) -> None:
                  f"token {req}/{tok} started a layer away from where the last one aggregated")
 
 
+def check_quality(s: RunSetup, tl: pd.DataFrame, stats: SimStats) -> None:
+    """The router's reported increments are the quality model's (the records always are)."""
+    n = stats.dq_misreported
+    first = stats.dq_misreport_first
+    example = "" if first is None else (f" (e.g. request {first[0]} token {first[1]} layer "
+                                        f"{first[2]}: reported dq={first[3]:.3g}, the quality "
+                                        f"model gives {first[4]:.3g})")
+    _require(n == 0, "quality", f"{n} of {len(tl)} token-layers report a quality increment dq "
+             f"that differs from the quality model's for the replicas they execute{example}")
+
+
 def check_determinism(s: RunSetup, tl: pd.DataFrame, rq: pd.DataFrame) -> None:
     tl2, rq2 = simulate(s)
     for a, b, what in ((tl, tl2, "token-layer"), (rq, rq2, "request")):
@@ -240,8 +268,9 @@ def check_causal(s: RunSetup, tl: pd.DataFrame) -> None:
 def check_case(s: RunSetup) -> None:
     """Every check on one built setup; raises the first ``ConformanceError``."""
     check_placement(s)
-    tl, rq = simulate(s)
+    tl, rq, stats = run_sim(s)
     check_records(s, tl, rq)
+    check_quality(s, tl, stats)
     check_determinism(s, tl, rq)
     check_causal(s, tl)
 

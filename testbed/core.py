@@ -1,4 +1,4 @@
-"""The token-layer core both backends call: decide -> admit -> dispatch plan -> record -> feedback.
+"""The token-layer core both backends call: decide -> admit -> dispatch plan -> record.
 
 Transport-free and clock-free: a backend hands it the decider, its view, the
 token and the true state it may compare against, and gets back what to send
@@ -10,6 +10,13 @@ own server's live expert-cache state, and for every other server only the
 static tier of the deployment (a real server cannot read a peer's cache).
 Admissions (line 27 of Algorithm 2) add the router's *belief* of a job's
 stream time to its view; the world's time comes from the step scheduler.
+
+Nothing a router reports is trusted for accounting: each layer's quality increment is
+derived here from the quality model and the replicas executed (a router's own
+``Assignment.dq`` that differs is counted in ``dq_misreported``, which the conformance
+check turns into a failure), and the record handed back to the router
+(``on_layer_done``) is what the backend measured, including the world's offload time
+that eq. (21)'s feedback needs.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 
 from hetroute.deployment import Deployment
 from hetroute.quality import QualityModel
+from hetroute.residency import Residency
 from hetroute.routers.base import Router
 from hetroute.service import PaperService, ServiceModel, make_service
 from hetroute.system import Cluster, MoEShape
@@ -55,7 +63,6 @@ class TokenLayerCore:
         self.world: ServiceModel = make_service(physics, cluster, shape)
         #: the router's belief; a router without one believes the paper's model
         self.belief: ServiceModel = getattr(router, "service", None) or PaperService(cluster, shape)
-        self.dynamic = type(router).dynamic_residency
         self.rep_server = [r.server for r in dep.replicas]
         self.rep_expert = [r.expert for r in dep.replicas]
         self.rep_prec = [int(r.precision) for r in dep.replicas]
@@ -68,14 +75,18 @@ class TokenLayerCore:
                           for r in dep.replicas]
         #: the world's GPU-CPU load of each replica (realized offload cost)
         self.world_load = [w.load_s(r.server, r.precision) for r in dep.replicas]
-        self.lambda_q = float(getattr(router.params, "lambda_q", 0.0) or 0.0)
+        #: token-layers whose router-reported ``Assignment.dq`` differs from the derived one
+        self.dq_misreported = 0
+        self.dq_misreport_first: tuple | None = None  # (request, token, layer, reported, derived)
 
     # -- decide and admit -------------------------------------------------------
-    def decide(self, decider: Router, view: StateView, tok: TokenView, targets: tuple[int, ...],
-               true_backlog) -> Routed:
+    def decide(self, decider: Router, residency: Residency, view: StateView, tok: TokenView,
+               targets: tuple[int, ...], true_backlog) -> Routed:
         """Route one token-layer at its residing server; raises ``Unroutable``.
 
-        ``true_backlog(n)`` is server n's real queue in stream seconds (the
+        ``residency`` is the residing server's (``decider.residency(server)``): the
+        decider's own server's tiers are read from it, every other server's from the
+        deployment. ``true_backlog(n)`` is server n's real queue in stream seconds (the
         simulator's truth; the emulator's latest report), used only to measure
         the view's staleness."""
         t0 = time.thread_time()  # CPU time: an emulation host's other workers do not inflate it
@@ -98,18 +109,23 @@ class TokenLayerCore:
             if (d if d > 0 else -d) > (err if err > 0 else -err):
                 err = d
         now = tok.now
-        dyn, sg, ag, ac = self.dynamic, self.static_gpu, self.admit_gpu, self.admit_cpu
+        is_gpu, sg, ag, ac = residency.is_gpu, self.static_gpu, self.admit_gpu, self.admit_cpu
         for r in a.replicas:  # line 27 of Algorithm 2 (StateView.admit), in the decider's belief
             n = rs[r]
             until = now + bl[n]
             if until > pend.get(r, -1.0):
                 pend[r] = until
-            gpu = decider.gpu_resident(r) if dyn and n == theta else sg[r]
+            gpu = is_gpu(r) if n == theta else sg[r]
             w = ag[r] if gpu else ac[r]
             bl[n] += w
             adm[n] += w
-        return Routed(a, per_server, spent, tok.now - view.opened_at, err,
-                      self.increment(a.targets, a.replicas))
+        dq = self.increment(a.targets, a.replicas)
+        d = a.dq - dq
+        if d > 1e-12 + 1e-9 * dq or d < -1e-12 - 1e-9 * dq:  # the router's belief is wrong
+            self.dq_misreported += 1
+            if self.dq_misreport_first is None:
+                self.dq_misreport_first = (tok.request, tok.index, tok.layer, a.dq, dq)
+        return Routed(a, per_server, spent, tok.now - view.opened_at, err, dq)
 
     def increment(self, targets: tuple[int, ...], replicas: tuple[int, ...]) -> float:
         """The quality increment of an assignment (the inner sums of eq. 8), from the run's
@@ -126,16 +142,12 @@ class TokenLayerCore:
                                    f"substitutes ({err.args[0]})") from None
         return dq
 
-    def tier(self, decider: Router, theta: int, r: int) -> bool:
-        """GPU tier of replica r as the decider at theta can know it."""
-        if self.dynamic and self.rep_server[r] == theta:
-            return decider.gpu_resident(r)
-        return self.static_gpu[r]
-
     # -- the layer is done ------------------------------------------------------
     def record(self, tok: TokenView, routed: Routed, gpus: list[bool], t_start: float,
                t_decided: float, t_dispatch: float, fan_out_end: float, compute_end: float,
-               t_done: float, nbytes: int, participants: int) -> TokenLayerRecord:
+               t_done: float, nbytes: int, participants: int, window: int) -> TokenLayerRecord:
+        """The typed record of a finished token-layer; ``window`` is the backend's count of
+        scheduling windows at completion (routers group their feedback by it)."""
         a = routed.assignment
         theta = tok.server
         rs, et, reps = self.rep_server, self.exec_table, a.replicas
@@ -143,24 +155,17 @@ class TokenLayerCore:
         types = [et[m][n == theta][g] for m, n, g in zip(a.modes, servers, gpus)]
         compute = compute_end - fan_out_end
         ce = compute_end if compute_end > fan_out_end else fan_out_end
-        re, rp = self.rep_expert, self.rep_prec
+        re, rp, wl = self.rep_expert, self.rep_prec, self.world_load
+        off = 0.0  # the world's load time of the slowest CPU-tier replica (realized offload)
+        for r, g in zip(reps, gpus):
+            if not g and wl[r] > off:
+                off = wl[r]
         return TokenLayerRecord(
             tok.request, tok.index, tok.layer, t_start, theta, a.next_server, participants,
             fan_out_end - t_dispatch, compute if compute > 0 else 0.0, t_done - ce,
             t_done - t_start, nbytes, routed.dq, a.est_delay, routed.view_age_s, routed.backlog_err_s,
             t_decided - t_start, t_dispatch - t_decided, a.targets, [re[r] for r in reps], reps,
-            servers, [rp[r] for r in reps], gpus, types)
-
-    def realize(self, rec: TokenLayerRecord, acc: dict[str, float]) -> None:
-        """Add a finished layer's realized cost components (eq. 21's feedback input)."""
-        off = 0.0
-        for r, g in zip(rec.replicas, rec.gpus):
-            if not g and self.world_load[r] > off:
-                off = self.world_load[r]
-        acc["tx"] += rec.fanout_s + rec.fanin_s
-        acc["off"] += off
-        acc["cq"] += rec.compute_s - off if rec.compute_s > off else 0.0
-        acc["q"] += self.lambda_q * rec.dq
+            servers, [rp[r] for r in reps], gpus, types, off, window)
 
 
 def calibrate_decision_s(router: Router, samples: int = DECISION_SAMPLES,

@@ -10,12 +10,13 @@ length k.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from hetroute.state import TokenLayerRecord
 
 
 TOKEN_LAYER_SCALARS = (
@@ -39,40 +40,13 @@ REQUEST_COLUMNS = (
 )
 
 
-class TokenLayerRecord(NamedTuple):
-    """One row of ``token_layers``: the scalars in ``TOKEN_LAYER_SCALARS`` order, then k
-    values per list column (``TOKEN_LAYER_LISTS``). A named tuple: typed fields, and cheap
-    on the hot path of both backends."""
-
-    request: int
-    token: int
-    layer: int
-    t_start: float
-    server: int
-    next_server: int
-    participants: int
-    fanout_s: float
-    compute_s: float
-    fanin_s: float
-    total_s: float
-    bytes: int
-    dq: float
-    est_delay_s: float
-    view_age_s: float
-    backlog_err_s: float
-    dense_s: float
-    decision_s: float
-    # per target (k each)
-    targets: tuple
-    exec_experts: list
-    replicas: tuple
-    exec_servers: list
-    precisions: list
-    gpus: list
-    exec_types: list
+# The record type lives with the method (``hetroute.state``): routers read it in
+# ``on_layer_done``. Its scalar fields come first, in the table's column order.
+assert TokenLayerRecord._fields[:len(TOKEN_LAYER_SCALARS)] == tuple(n for n, _ in TOKEN_LAYER_SCALARS)
 
 
 N_SCALARS = len(TOKEN_LAYER_SCALARS)
+N_WRITTEN = N_SCALARS + len(TOKEN_LAYER_LISTS)  # fields of a record that the table stores
 
 
 class RecordWriter:
@@ -96,7 +70,7 @@ class RecordWriter:
     def token_layer(self, rec: TokenLayerRecord) -> None:
         for app, v in zip(self._apps, rec):  # the scalars come first
             app(v)
-        for ext, vs in zip(self._exts, rec[N_SCALARS:]):
+        for ext, vs in zip(self._exts, rec[N_SCALARS:N_WRITTEN]):
             ext(vs)
         self.rows += 1
         if self.rows % self.flush_rows == 0:

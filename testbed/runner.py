@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from workloads.quality_profile import profile_ce
+
 from .metrics import compute_metrics, memory_use
 from .provenance import provenance, write_json_atomic
 from .records import RecordWriter, read_records
@@ -140,9 +142,14 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
     return RunResult(spec, metrics, out_dir, info, setup if keep_setup else None, frames)
 
 
+# The quality modules below are imported inside the functions that use them, not for
+# a hierarchy reason (testbed may import workloads): workloads.proxy imports torch
+# (about 1 s), which a run without measured quality should not pay.
+
+
 def _replay(out_dir: Path, metrics: dict) -> float:
     """Measured quality on the proxy (issue 6): writes quality.json, adds it to the metrics."""
-    from workloads.proxy.replay import replay_run_dir
+    from .quality_replay import replay_run_dir  # torch: see above
 
     t = time.perf_counter()
     summary = replay_run_dir(out_dir)
@@ -152,7 +159,7 @@ def _replay(out_dir: Path, metrics: dict) -> float:
 
 def _collect_inrun(out_dir: Path, spec: ExperimentSpec) -> dict:
     """Quality the workers measured during the run (issue 6): quality_inrun.csv and a summary."""
-    from workloads.proxy.inrun import collect
+    from .quality_inrun import collect  # torch: see above
 
     _, summary = collect(out_dir, _ce_ref(spec), spec.workload.warmup_s)
     return {k: v for k, v in summary.items() if isinstance(v, (int, float))}
@@ -160,13 +167,12 @@ def _collect_inrun(out_dir: Path, spec: ExperimentSpec) -> dict:
 
 def _ce_ref(spec: ExperimentSpec) -> float:
     """The profile's reference cross-entropy; only without one is the proxy loaded to measure it."""
-    from workloads.proxy.replay import profile_ce, reference_ce
-
     prof = Path(spec.quality.profile) if spec.quality.profile != "prior" else None
     ce = profile_ce(prof)
     if ce is not None:
         return ce
-    from workloads.proxy.data import load_corpus
+    from workloads.proxy.data import load_corpus  # torch: see above
+    from workloads.proxy.replay import reference_ce
     from workloads.proxy.trace import trace_proxy
 
     corpus = load_corpus()

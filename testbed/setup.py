@@ -30,9 +30,9 @@ from topologies import TopologyError, TopologySpec, generate, load_topology
 from workloads import (JsonlTrace, ModelSpec, Request, RequestShape, SyntheticTrace, TraceSource,
                        Users, calibration_traffic, default_trace_params, generate_requests,
                        get_model)
+from workloads.quality_profile import ProfileError, load_profile
 
 from .core import DECISION_REPEATS, DECISION_SAMPLES, calibrate_decision_s
-from .quality_io import load_profile
 from .spec import ExperimentSpec, GeneratedTopology, SpecError
 
 #: How a cached decision time was timed; an entry timed another way is timed again.
@@ -143,7 +143,7 @@ def _is_proxy_trace(trace: Path) -> bool:
 
 def _check_inrun(spec: ExperimentSpec, trace: Path, hint: str) -> None:
     """quality.inrun runs the proxy on the request's own text: the emulator, a proxy trace."""
-    from workloads.proxy.profile import SEGMENT
+    from workloads.proxy.profile import SEGMENT  # lazy: workloads.proxy imports torch (~1 s)
 
     if spec.backend != "emu":
         raise SpecError("quality.inrun: only emulated workers execute the proxy during a run; "
@@ -272,7 +272,10 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
     if spec.quality.profile == "prior":
         quality = prior_quality(shape, seed=spec.seed)
     else:
-        quality = load_profile(_path(spec.quality.profile, base_dir), shape)
+        try:
+            quality = load_profile(_path(spec.quality.profile, base_dir), shape)
+        except ProfileError as err:
+            raise SpecError(f"quality.profile: {err}") from None
     w = spec.workload
     trace = make_trace(model, w.trace if w.trace == "synthetic" else str(_path(w.trace, base_dir)),
                        w.trace_params, seed=spec.seed, tasks=w.task_trace_params())

@@ -138,6 +138,7 @@ def test_moe_infinity_cache_evicts_by_priority_and_protects_prefetched_experts()
     r = MoEInfinity(p, {"warm_tokens_per_eam": 0})
     r.bind(r.place())
     d, rep = r.decider(0), r.rep_of[0]
+    cache = d.residency(0)  # the backend inserts and evicts through the residency strategy
 
     def cached():
         return set(np.flatnonzero(d.resident).tolist())
@@ -146,13 +147,13 @@ def test_moe_infinity_cache_evicts_by_priority_and_protects_prefetched_experts()
     d.eamc.add(np.array([[4, 0, 0, 0], [0, 3, 1, 0], [0, 0, 2, 0]], float))
     d.route(TokenView(request=7, index=0, home=0, lam_max=0.02), (0,), StateView(1))
     assert d.inflight == {5, 6, 10}
-    d.on_execute(rep[0], False)  # a hit: expert 0 now has a visit
-    d.on_prefetched(rep[5])  # 4 (never visited) goes, 5 arrives protected
+    cache.on_execute(rep[0], False)  # a hit: expert 0 now has a visit
+    cache.on_prefetched(rep[5])  # 4 (never visited) goes, 5 arrives protected
     assert cached() == {0, 5} and d.fresh[5]
-    d.on_execute(rep[8], True)  # a miss: 0 goes although 5 has no visit yet
+    cache.on_execute(rep[8], True)  # a miss: 0 goes although 5 has no visit yet
     assert cached() == {5, 8}
     d.on_request_done(7)  # 5's protection ends with its request
-    d.on_execute(rep[9], True)
+    cache.on_execute(rep[9], True)
     assert cached() == {8, 9}
 
 

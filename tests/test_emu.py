@@ -194,10 +194,11 @@ def test_inrun_quality_workers_run_the_proxy_on_real_hidden_states(tmp_path: Pat
     import numpy as np
     import pandas as pd
 
+    from testbed.quality_replay import plans_from_records
     from testbed.records import read_records
     from workloads.proxy.data import load_corpus
     from workloads.proxy.model import tiny_config
-    from workloads.proxy.replay import plans_from_records, replay_plans
+    from workloads.proxy.replay import replay_plans
     from workloads.proxy.trace import export_trace, meta_path
     from workloads.proxy.train import cache_path, default_cache_dir, load_or_train
 

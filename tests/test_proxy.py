@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from hetroute.system import Precision
-from testbed.quality_io import load_profile, save_profile
 from workloads.models import get_model
 from workloads.proxy.data import load_corpus, segments
 from workloads.proxy.model import Plan, proxy_config, tiny_config
@@ -23,6 +22,7 @@ from workloads.proxy.replay import PlanSet, replay_plans, token_lambda
 from workloads.proxy.report import surrogate_check, synthetic_plans
 from workloads.proxy.trace import export_trace, file_request, route_segments
 from workloads.proxy.train import cache_path, load_or_train, train
+from workloads.quality_profile import ProfileError, load_profile, save_profile
 from workloads.traces import CALIBRATION_ID_BASE, JsonlTrace
 
 TINY_PROFILE = ProfileParams(calibration_segments=3)
@@ -137,6 +137,23 @@ def test_profile_of_qwen_shape_loads(corpus, tmp_path):
     assert load_profile(tmp_path / "q.npz", get_model("qwen").shape()).q.shape == (24 * 60, 3)
 
 
+def test_profile_errors_are_plain_and_the_spec_names_the_field(tmp_path):
+    """The file format raises ProfileError (a ValueError); the spec layer adds the field."""
+    from testbed.setup import build_setup
+    from testbed.spec import SpecError, parse_spec
+
+    shape = get_model("switch").shape()
+    with pytest.raises(ProfileError, match="no such file"):
+        load_profile(tmp_path / "none.npz", shape)
+    bad = tmp_path / "bad.npz"
+    bad.write_text("not a profile")
+    with pytest.raises(ProfileError, match="bad.npz is not a quality profile") as exc:
+        load_profile(bad, shape)
+    assert not isinstance(exc.value, SpecError)
+    with pytest.raises(SpecError, match=r"^quality.profile: \S*bad.npz is not a quality profile"):
+        build_setup(parse_spec({"workload": {"model": "switch"}, "quality": {"profile": str(bad)}}))
+
+
 def _plans(model, corpus, n=4):
     seg = segments(corpus.heldout, 36, n)
     idx, _ = route_segments(model, seg)
@@ -212,5 +229,14 @@ def test_cli_input_errors_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         proxy_main(["train", "--model", "gpt"])
     assert exc.value.code == 2
-    assert proxy_main(["replay", str(tmp_path / "nothing")]) == 2
-    assert "not a run folder" in capsys.readouterr().err
+    assert proxy_main(["replay", str(tmp_path / "nothing")]) == 2  # moved: one line points there
+    assert "python -m testbed quality-replay" in capsys.readouterr().err
+
+
+def test_quality_replay_cli_input_errors_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from testbed.cli import app
+
+    out = CliRunner().invoke(app, ["quality-replay", str(tmp_path / "nothing")])
+    assert out.exit_code == 2 and "not a run folder" in out.output

@@ -20,7 +20,7 @@ import torch
 
 from hetroute.routers import available, get_router
 from hetroute.system import Precision
-from testbed.quality_io import load_profile, save_profile
+from testbed.quality_replay import run_replay
 from testbed.records import flat, read_records
 from testbed.runner import run_experiment
 from testbed.spec import parse_spec
@@ -28,9 +28,9 @@ from workloads.models import get_model
 from workloads.proxy.data import load_corpus
 from workloads.proxy.model import tiny_config
 from workloads.proxy.profile import ProfileParams, measure
-from workloads.proxy.replay import run_replay
 from workloads.proxy.trace import export_trace
 from workloads.proxy.train import train
+from workloads.quality_profile import load_profile, save_profile
 
 #: A router is skipped only if its documentation says it ignores the quality budget.
 IGNORES_BUDGET = re.compile(r"(ignor\w*|does not (use|honou?r|enforce|respect)|without)[^.]*"

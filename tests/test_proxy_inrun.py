@@ -166,7 +166,7 @@ def test_collect_counts_a_request_once_and_tolerates_none(tmp_path):
     import json
 
     from testbed.records import RecordWriter, TokenLayerRecord
-    from workloads.proxy.inrun import INRUN_DIR, collect
+    from testbed.quality_inrun import INRUN_DIR, collect
 
     assert collect(tmp_path, 1.0, 0.0)[1] == {"requests": 0}  # e.g. every request failed
     w = RecordWriter(tmp_path, 2)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from workloads import get_model
-from workloads.trace_convert import convert
+from workloads.traces.convert import convert
 from workloads.traces import JsonlTrace
 
 SWITCH = get_model("switch")  # 12 layers, 8 experts per layer, top-1

@@ -5,7 +5,7 @@ over the request's tokens) and ``degradation`` (measured: mean KL from the
 full-precision output over the request's tokens, divided by the proxy's CE_ref,
 the same unit as Lambda):
 
-- a run folder replayed by ``python -m workloads.proxy replay RUN`` (reads its
+- a run folder replayed by ``python -m testbed quality-replay RUN`` (reads its
   ``quality_replay.csv``; only requests after warm-up);
 - a profile folder of ``python -m workloads.proxy profile`` (reads its
   ``surrogate.csv``, the random-plan check).
@@ -44,7 +44,7 @@ def load(path: Path) -> pd.DataFrame:
     if (path / "surrogate.csv").exists():
         df = pd.read_csv(path / "surrogate.csv")
         return df.assign(source=path.name, group=path.name + ":" + df.family)
-    raise FileNotFoundError(f"{path}: neither quality_replay.csv (run workloads.proxy replay) "
+    raise FileNotFoundError(f"{path}: neither quality_replay.csv (python -m testbed quality-replay) "
                             "nor surrogate.csv (a profile folder)")
 
 

@@ -67,7 +67,7 @@ from .calibration import CalibrationTraffic, RouteFn, RoutingStats, simulate
 class Alg1Params:
     memory_ratio: float = 2.0  # section VI-A default
     precisions: tuple[Precision, ...] = (Precision.FP16, Precision.INT8, Precision.INT4)
-    max_replicas_per_expert: int = 6  # bounds R-bar (Property 5); the router's default too
+    max_replicas_per_expert: int = 6  # bounds R-bar (Property 5)
     replication_cap: int | None = None  # K_rep: most replicas Stage 2 may add
     memory_price: float = 1e-13  # mu, seconds of per-token cost per byte
     lambda_q: float = 2.0  # seconds per unit of quality loss (eq. 9)

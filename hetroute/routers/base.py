@@ -8,14 +8,22 @@ returns a ``Deployment``; ``route`` (online, once per token-layer) returns an
     deployment = router.place()
     router.bind(deployment)
     decider = router.decider(server)      # one per server that routes tokens
+    residency = decider.residency(server) # that server's GPU tiers (hetroute.residency)
     decider.route(token, targets, view)   # at the token's residing server
-    decider.on_window(realized)           # once per scheduling window
+    decider.on_layer_done(record)         # each token-layer this decider routed, once done
     decider.on_request_done(request_id)
 
+The contract: two required hooks (``place``, ``route``) and five optional ones with
+working defaults (``bind``, ``decider``, ``residency``, ``on_layer_done``,
+``on_request_done``); docs/adding-a-router.md says when to override each.
 ``route`` may read only its arguments and its own state: the token (where it
 is, its home and budget), the gated targets of this layer, and the decider's
-``StateView``. The conformance check (tests/test_router_conformance.py) runs
-over every registered router.
+``StateView``. The backend trusts nothing else a router reports: the quality
+increment of each layer is derived from the quality model and the replicas
+executed (``Assignment.dq`` is the router's own belief, checked but never used),
+and a router computes any feedback it wants from the typed records it is given.
+The conformance check (``testbed.conformance``, tests/test_router_conformance.py)
+runs over every registered router.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..deployment import Deployment, MemoryBudget
 from ..placement.calibration import CalibrationTraffic
 from ..quality import QualityModel
+from ..residency import Residency, StaticTiers
 from ..service import ServiceModel, make_service
-from ..state import Assignment, StateView, TokenView
+from ..state import Assignment, StateView, TokenLayerRecord, TokenView
 from ..system import Cluster, MoEShape
+
 
 
 class RouterParams(BaseModel):
@@ -69,13 +79,15 @@ class Problem:
 
 
 class Router(abc.ABC):
-    """Base class; subclasses set ``name`` and optionally ``Params``."""
+    """Base class; subclasses set ``name`` and optionally ``Params``.
+
+    Required: ``place`` and ``route``. Optional (defaults work): ``bind`` (precompute
+    online tables), ``decider`` (per-server state), ``residency`` (an online GPU cache),
+    ``on_layer_done`` (feedback from finished token-layers), ``on_request_done``
+    (per-request state may go)."""
 
     name: ClassVar[str]
     Params: ClassVar[type[RouterParams]] = RouterParams
-    #: True if ``gpu_resident`` changes at run time (an expert cache); backends
-    #: then ask the replica's server each time instead of reading the static tier.
-    dynamic_residency: ClassVar[bool] = False
     #: Placements may be cached and reloaded: ``bind`` must then rebuild every
     #: online structure from the deployment alone. Set False if it cannot.
     cacheable_placement: ClassVar[bool] = True
@@ -124,25 +136,23 @@ class Router(abc.ABC):
         """
         return self
 
-    def on_window(self, realized: dict[str, float]) -> None:
-        """Realized per-component costs (tx, off, cq, q) of this decider's
-        token-layers completed in the last window."""
+    def residency(self, server: int) -> Residency:
+        """The GPU tiers of ``server``'s replicas, asked once of that server's decider.
+
+        Default: the deployment's static tiers. A router with a run-time expert cache
+        returns an ``OnlineCache`` that it shares with its own routing state."""
+        assert self.deployment is not None
+        return StaticTiers(self.deployment)
+
+    def on_layer_done(self, record: "TokenLayerRecord") -> None:
+        """A token-layer this decider routed is done (in the emulator: one aggregated at its
+        server, where the record is made). The ``hetroute.state.TokenLayerRecord`` has
+        its times, bytes, executed replicas and tiers, the derived quality increment
+        ``dq``, the world's offload time ``offload_s`` and the scheduling ``window`` it
+        completed in. Feedback such as eq. (21) is computed here by the router itself."""
 
     def on_request_done(self, request: int) -> None:
         """A request this decider saw has completed (per-request state may go)."""
-
-    def gpu_resident(self, replica: int) -> bool:
-        """Tier of a replica right now, asked of the decider of the replica's
-        server; dynamic-cache routers override (the static tier otherwise)."""
-        assert self.deployment is not None
-        return self.deployment.replicas[replica].gpu
-
-    def on_execute(self, replica: int, loaded: bool) -> None:
-        """The replica's server starts a batch of it; ``loaded`` if it paid the
-        GPU-CPU load (a cache miss). Dynamic caches insert and evict here."""
-
-    def on_prefetched(self, replica: int) -> None:
-        """A prefetch copy of ``replica`` into this server's GPU finished."""
 
     def clone(self) -> "Router":
         """A shallow copy sharing immutable tables (helper for ``decider``)."""

@@ -22,34 +22,38 @@ from ..system import Precision
 from .base import Router, RouterParams
 
 
+# Defaults live with the algorithms (one source of truth); the router exposes them as knobs.
+_A1, _A2, _FB = Alg1Params(), Alg2Params(), FeedbackParams()
+
+
 class HetRouteParams(RouterParams):
     # Algorithm 1
-    memory_ratio: float = Field(2.0, ge=1.0)
+    memory_ratio: float = Field(_A1.memory_ratio, ge=1.0)
     precisions: tuple[Literal["fp16", "int8", "int4"], ...] = ("fp16", "int8", "int4")
-    max_replicas_per_expert: int = Field(6, ge=1)
-    replication_cap: int | None = Field(None, ge=0)
-    memory_price: float = Field(1e-13, ge=0)
-    residency: Literal["routing", "frequency"] = "routing"
-    replicate: bool = True
-    diminishing_returns: bool = True
-    residency_order: Literal["density", "value"] = "density"
-    replication_order: Literal["density", "value"] = "density"
-    fill_gpu: bool = True
-    stage2_rounds: int = Field(4, ge=1)
+    max_replicas_per_expert: int = Field(_A1.max_replicas_per_expert, ge=1)
+    replication_cap: int | None = Field(_A1.replication_cap, ge=0)
+    memory_price: float = Field(_A1.memory_price, ge=0)
+    residency: Literal["routing", "frequency"] = _A1.residency
+    replicate: bool = _A1.replicate
+    diminishing_returns: bool = _A1.diminishing_returns
+    residency_order: Literal["density", "value"] = _A1.residency_order
+    replication_order: Literal["density", "value"] = _A1.replication_order
+    fill_gpu: bool = _A1.fill_gpu
+    stage2_rounds: int = Field(_A1.stage2_rounds, ge=1)
     # cost model (eq. 9)
-    lambda_q: float = Field(2.0, ge=0, description="seconds per unit of quality loss")
+    lambda_q: float = Field(_A1.lambda_q, ge=0, description="seconds per unit of quality loss")
     include_propagation: bool = True
     # Algorithm 2
-    beam_width: int = Field(8, ge=1)
-    enum_limit: int = Field(64, ge=1)
+    beam_width: int = Field(_A2.beam_width, ge=1)
+    enum_limit: int = Field(_A2.enum_limit, ge=1)
     window_s: float | None = Field(None, gt=0, description="Delta t of guard (19); None: the run's window")
-    local_threshold_s: float = Field(0.002, ge=0)
-    set_level: bool = True
-    fast_path: bool = True
-    exchange: bool = True
-    lookahead_weight: float = Field(1.0, ge=0)
+    local_threshold_s: float = Field(_A2.local_threshold_s, ge=0)
+    set_level: bool = _A2.set_level
+    fast_path: bool = _A2.fast_path
+    exchange: bool = _A2.exchange
+    lookahead_weight: float = Field(_A2.lookahead_weight, ge=0)
     # feedback (eq. 21)
-    feedback_eta: float = Field(0.05, ge=0)
+    feedback_eta: float = Field(_FB.eta, ge=0)
     feedback_min_change: float = Field(0.02, ge=0, description="re-price only past this relative change")
 
     def alg1(self) -> Alg1Params:
@@ -96,6 +100,7 @@ class HetRoute(Router):
         super().bind(deployment)
         self.engine = self._engine(deployment)
         self.feedback = UnitCostFeedback(FeedbackParams(eta=self.params.feedback_eta))
+        self._open_feedback_window()
 
     def decider(self, server: int) -> "HetRoute":
         if self.params.feedback_eta == 0:
@@ -103,12 +108,43 @@ class HetRoute(Router):
         d = self.clone()
         d.engine = self.engine.spawn()
         d.feedback = UnitCostFeedback(self.feedback.params)
+        d._open_feedback_window()
         return d
 
     def route(self, tok: TokenView, targets: tuple[int, ...], view: StateView) -> Assignment:
+        if view.window != self._fb_window:  # a window closed since this decider last looked
+            self._close_feedback_window(view.window)
         return self.engine.route(tok, targets, view)
 
-    def on_window(self, realized: dict[str, float]) -> None:
+    # -- feedback (eq. 21) from the records of finished token-layers --------------------
+    def _open_feedback_window(self) -> None:
+        self._fb_window = -1  # the scheduling window the realized costs below belong to
+        self._realized = dict(tx=0.0, off=0.0, cq=0.0, q=0.0)
+
+    def on_layer_done(self, record) -> None:
+        """Add a finished layer's realized cost components (tx, off, cq, q) to its
+        window's; the window's total updates the unit costs once the window closed,
+        before this decider's next decision or record (eq. 21)."""
+        if self.params.feedback_eta == 0:
+            return
+        if record.window != self._fb_window:
+            self._close_feedback_window(record.window)
+        acc = self._realized
+        off = record.offload_s
+        acc["tx"] += record.fanout_s + record.fanin_s
+        acc["off"] += off
+        acc["cq"] += record.compute_s - off if record.compute_s > off else 0.0
+        acc["q"] += self.params.lambda_q * record.dq
+
+    def _close_feedback_window(self, window: int) -> None:
+        r = self._realized
+        self._fb_window = window
+        if r["tx"] or r["off"] or r["cq"] or r["q"]:
+            self._apply_feedback(dict(r))
+            for key in r:
+                r[key] = 0.0
+
+    def _apply_feedback(self, realized: dict[str, float]) -> None:
         w = self.feedback.update(realized)
         if w is None:
             return

@@ -72,6 +72,7 @@ import numpy as np
 from pydantic import Field
 
 from ..deployment import ConstraintViolation, Deployment, Replica
+from ..residency import OnlineCache
 from ..state import Assignment, Mode, StateView, TokenView
 from ..system import FULL_PRECISION
 from .base import Router, RouterParams
@@ -156,9 +157,9 @@ class MoEInfinity(Router):
                   "workload.duration_s": 1500.0, "workload.warmup_s": 50.0}
     Params = MoEInfinityParams
     params: MoEInfinityParams
-    dynamic_residency = True
     # per-server state, set by ``decider``
     server: int
+    cache: "ExpertCache"  # the server's GPU expert cache (its ``residency``)
     cap: int  # GPU cache size, experts
     resident: np.ndarray  # (n_experts,) bool: in the GPU cache now
     visits: np.ndarray  # batch executions since the expert entered the cache
@@ -236,7 +237,13 @@ class MoEInfinity(Router):
         d.agg = np.zeros((self.problem.shape.n_layers, self.problem.shape.experts_per_layer))
         d.plans = {}
         d.predicts = self.params.prefetch and 0 < d.cap < n_exp and self.params.max_inflight_prefetch > 0
+        d.cache = ExpertCache(d)
         return d
+
+    def residency(self, server: int) -> "ExpertCache":
+        """The server's GPU expert cache, shared with this decider's routing state."""
+        assert server == self.server, "asked of another server's decider"
+        return self.cache
 
     # -- online ----------------------------------------------------------------
     def route(self, tok: TokenView, targets: tuple[int, ...], view: StateView) -> Assignment:
@@ -311,8 +318,20 @@ class MoEInfinity(Router):
             for other in self.requests.values():
                 other.sim[slot] = float((u * other.unit).sum())
 
-    # -- the GPU expert cache ----------------------------------------------------
-    def gpu_resident(self, replica: int) -> bool:
+
+class ExpertCache(OnlineCache):
+    """One server's GPU expert cache (the residency strategy of MoE-Infinity).
+
+    Its arrays and sets are the decider's own (``resident``, ``visits``, ``fresh``,
+    ``owner``, ``inflight``, ``agg``): the decider reads them to predict and prefetch,
+    the backend inserts and evicts through this object."""
+
+    def __init__(self, d: MoEInfinity) -> None:
+        self.cap, self.rep_expert, self.topo, self.eviction = d.cap, d.rep_expert, d.topo, d.params.eviction
+        self.resident, self.visits, self.fresh = d.resident, d.visits, d.fresh
+        self.owner, self.inflight, self.agg = d.owner, d.inflight, d.agg
+
+    def is_gpu(self, replica: int) -> bool:
         return bool(self.resident[self.rep_expert[replica]])
 
     def on_execute(self, replica: int, loaded: bool) -> None:
@@ -344,7 +363,7 @@ class MoEInfinity(Router):
     def _victim(self, incoming: int) -> int:
         """The resident expert to evict (never ``incoming``)."""
         res = self.resident
-        if self.params.eviction == "lfu":
+        if self.eviction == "lfu":
             score = self.visits.copy()
         else:
             total = self.visits[res].sum()

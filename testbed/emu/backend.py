@@ -51,7 +51,7 @@ class EmuBackend:
         cl = s.cluster
         T, why = choose_dilation(s)
         if spec.quality.inrun:  # workers load the trace's proxy; train it here if the cache lacks it
-            from workloads.proxy.data import load_corpus
+            from workloads.proxy.data import load_corpus  # lazy: torch (~1 s), only for inrun
             from workloads.proxy.trace import trace_proxy
             trace_proxy(Path(spec.workload.trace), load_corpus())
         cache = out / "placement"

@@ -144,6 +144,8 @@ class Transport:
         self.auth_failures = 0  # connections refused before they proved a rank
         self.spoofed_frames = 0  # frames a proven peer sent in another's name (dropped)
         self.sent_bytes = 0
+        self.sent_frames: dict[int, int] = {p: 0 for p in peers}  # per destination
+        self.received_frames: dict[int, int] = {p: 0 for p in peers}  # per proven source
         self.frames_in = 0
         self.late_deliveries = 0.0  # summed lateness of delayed deliveries (s)
 
@@ -182,15 +184,20 @@ class Transport:
         return n
 
     def send(self, dst: int, frame: Frame) -> bool:
-        """Queue ``frame`` for ``dst``; False if that peer is known to be gone."""
+        """Queue ``frame`` for ``dst``; False if that peer is known to be gone. Frames to
+        ``dst`` are numbered 1, 2, ... in ``sent_frames``; the peer's ``received_frames``
+        counts the same frames, so its count acknowledges them (a cut link drops what
+        was queued after the peer's last acknowledgement without an error)."""
         tr = self.out.get(dst)
         if tr is None or dst in self.lost or tr.is_closing():
             return False
         self.sent_bytes += self._write(tr, frame)
+        self.sent_frames[dst] = self.sent_frames.get(dst, 0) + 1
         return True
 
     def deliver(self, frame: Frame, src: int, arrival: float) -> None:
         self.frames_in += 1
+        self.received_frames[src] = self.received_frames.get(src, 0) + 1
         d = self.delays_in[src]
         if d <= 0:
             self.on_frame(frame, arrival)

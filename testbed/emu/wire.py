@@ -21,7 +21,11 @@ only for the entries it uses.
   self-describing and no side channel is needed.
 
 CONTROL frames carry a ``kind``: STATE (a state-view snapshot, payload
-float64 ``[2, N]``: row 0 backlog seconds, row 1 alive flags), SHUTDOWN, PING
+float64 ``[2, N]`` or ``[3, N]``: row 0 backlog seconds, row 1 alive flags, row 2
+if present the number of frames the sender has received from each server, a
+cumulative acknowledgement), FAIL (a token cannot continue; ``home`` names the
+request's home, a peer that is not the home forwards it there, and ``ctx``
+holds the reason's UTF-8 bytes, one per int), SHUTDOWN, PING
 and PONG (a PONG echoes the PING's ``t_send`` in ``t_origin`` so the pinger
 measures RTT with its own clock).
 """
@@ -224,12 +228,16 @@ def tensor_frame(header: Header, t: torch.Tensor, pad_to: int = 0) -> Frame:
 
 
 def state_frame(backlog: Sequence[float], alive: Sequence[bool], src: int, window: int,
-                opened_at: float, t_send: float = 0.0) -> Frame:
-    """CONTROL/STATE snapshot: ``seq`` is the window number, ``t_origin`` its opening time."""
-    if len(backlog) != len(alive):
-        raise ValueError("backlog and alive must have one entry per server")
-    arr = torch.tensor([list(map(float, backlog)), [1.0 if a else 0.0 for a in alive]],
-                       dtype=torch.float64)
+                opened_at: float, t_send: float = 0.0,
+                received: Sequence[int] | None = None) -> Frame:
+    """CONTROL/STATE snapshot: ``seq`` is the window number, ``t_origin`` its opening time;
+    ``received`` (frames received from each server so far) acknowledges them."""
+    if len(backlog) != len(alive) or (received is not None and len(received) != len(alive)):
+        raise ValueError("backlog, alive and received must have one entry per server")
+    rows = [list(map(float, backlog)), [1.0 if a else 0.0 for a in alive]]
+    if received is not None:
+        rows.append([float(c) for c in received])
+    arr = torch.tensor(rows, dtype=torch.float64)
     h = Header(MsgType.CONTROL, kind=ControlKind.STATE, src=src, seq=window,
                t_origin=opened_at, t_send=t_send)
     return tensor_frame(h, arr)
@@ -242,6 +250,26 @@ def parse_state(frame: Frame) -> tuple[list[float], list[bool]]:
         raise WireError("not a STATE frame")
     arr = np.frombuffer(frame.payload, dtype=np.float64).reshape(h.shape)
     return arr[0].tolist(), [bool(a) for a in arr[1]]
+
+
+def state_received(frame: Frame) -> list[int] | None:
+    """The STATE frame's acknowledgements (frames received per server), None if it has none."""
+    h = frame.header
+    if h.shape[0] < 3:
+        return None
+    arr = np.frombuffer(frame.payload, dtype=np.float64).reshape(h.shape)
+    return [int(c) for c in arr[2]]
+
+
+def fail_frame(src: int, home: int, request: int, token: int, reason: str) -> Frame:
+    """CONTROL/FAIL: token ``token`` of ``request`` (homed at ``home``) cannot continue."""
+    return Frame(Header(MsgType.CONTROL, kind=ControlKind.FAIL, src=src, home=home,
+                        request=request, token=token,
+                        ctx=tuple(reason.encode("utf-8", "replace")[:MAX_CTX])))
+
+
+def fail_reason(frame: Frame) -> str:
+    return bytes(int(c) & 0xFF for c in frame.header.ctx).decode("utf-8", "replace")
 
 
 def control_frame(kind: ControlKind, src: int, t_send: float = 0.0, t_origin: float = 0.0,
@@ -288,8 +316,8 @@ def _validate(h: Header, pad_len: int, max_payload: int) -> None:
     if mtype in (MsgType.HIDDEN, MsgType.TOKEN) or (mtype == MsgType.PARTIAL and not errored):
         if dtype not in (DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32) or ndim < 1:
             raise WireError(f"{mtype.name} needs a floating tensor payload")
-    if kind == ControlKind.STATE and (dtype != DType.FLOAT64 or ndim != 2 or h.shape[0] != 2):
-        raise WireError("STATE needs a float64 [2, N] payload")
+    if kind == ControlKind.STATE and (dtype != DType.FLOAT64 or ndim != 2 or h.shape[0] not in (2, 3)):
+        raise WireError("STATE needs a float64 [2, N] or [3, N] payload")
     if kind in (ControlKind.SHUTDOWN, ControlKind.PING, ControlKind.PONG, ControlKind.FAIL) and dtype:
         raise WireError(f"{kind.name} carries no payload")
     if kind in _AUTH_BYTES and (dtype != DType.UINT8 or h.shape != (_AUTH_BYTES[kind],)):

@@ -19,13 +19,23 @@ serves tokens exactly as the simulator models them:
   record and routes the next layer, or sends the token home (TOKEN FINAL);
 - every window each worker broadcasts its stream backlog (STATE) to all peers
   over the data plane; views refresh from the latest snapshots at window
-  boundaries. A peer whose connection breaks, or that is silent for three
-  windows, is treated as unreachable.
+  boundaries. A peer whose connection breaks, or that is silent for two
+  windows (every peer sends at least its STATE each window), is treated as
+  unreachable.
 
-Faults: when a participant is lost, the aggregator (which holds the hidden
-state and the assignment) re-routes the layer itself, up to two retries; a
-token that cannot continue is reported to its home (FAIL) and its request
-recorded as failed. Times are reported in emulated seconds (wall / T).
+Faults: a cut link drops frames without an error, so each STATE also carries
+how many frames its sender has received from each peer (a cumulative
+acknowledgement), and every frame a token depends on is kept with a resolver
+until the peer acknowledges it. When a peer is lost, whatever it has not
+acknowledged is resolved at once by whoever holds the hidden state: a hidden
+state or partial that did not arrive makes the sender re-route the layer from
+where it is (as the aggregator does when a participant's partial cannot come),
+up to two retries as in the simulator; a token that cannot get home fails with
+``home X unreachable``. A token that cannot continue is reported to its home
+(FAIL, with the reason; relayed through another peer when the home cannot be
+reached directly) and its request recorded as failed. A token the home already
+counted is ignored if a retry delivers it twice. Times are reported in
+emulated seconds (wall / T).
 
 Protocol with the runner, one line each on stdin/stdout: the worker prints
 ``READY``; the runner sends ``START <t0>`` (a monotonic time shared by all
@@ -43,7 +53,7 @@ import os
 import sys
 import time
 import traceback
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +65,7 @@ from hetroute.state import Assignment, StateView, TokenView, Unroutable
 
 from ..core import Routed, TokenLayerCore
 from ..progress import FINISHED, RequestProgress
+from ..quality_inrun import INRUN_DIR, stepper_for_run
 from ..records import RecordWriter
 from ..setup import build_setup
 from ..spec import parse_spec
@@ -65,8 +76,10 @@ from .rendezvous import rendezvous
 from .stream import ModeledStream, Work
 from .tolerances import RELEASE_LATE_REL
 from .transport import Transport, precise_loop
-from .wire import (ControlKind, DType, Flag, Frame, Header, MsgType, parse_state, state_frame,
-                   tensor_frame)
+from .wire import (ControlKind, DType, Flag, Frame, Header, MsgType, fail_frame, fail_reason,
+                   parse_state, state_frame, state_received, tensor_frame)
+
+SILENT_WINDOWS = 2  # a peer silent this many windows is lost (it sends STATE every window)
 
 
 @dataclass
@@ -106,6 +119,7 @@ class _Participation:
     jobs_left: int
     partial: torch.Tensor
     arrival: float  # model time the hidden state arrived
+    hidden: torch.Tensor | None = None  # the state as received: re-routed from here if the partial is lost
     gpus: dict[int, bool] = field(default_factory=dict)  # assignment position -> tier
 
 
@@ -122,12 +136,13 @@ class _Gather:
 
 
 class _Request(RequestProgress):
-    __slots__ = ("rid", "user", "arrival", "done", "scores")
+    __slots__ = ("rid", "user", "arrival", "done", "scores", "finished")
 
     def __init__(self, rid: int, user: int, arrival: float, prompt: int, gen: int) -> None:
         super().__init__(prompt, gen)
         self.rid, self.user, self.arrival = rid, user, arrival
         self.done = False
+        self.finished: set[int] = set()  # token indices counted (a retry may deliver one twice)
         self.scores: dict[int, tuple[float, float, float]] = {}  # token -> KL, CE ref, CE run
 
 
@@ -144,13 +159,13 @@ class Worker:
         self.window = spec.window_s
         self.dep = s.deployment
         self.decider = s.router.decider(self.rank)
-        self.dynamic = type(s.router).dynamic_residency
+        #: this server's GPU tiers (static, or the router's online cache), as in the simulator
+        self.residency = self.decider.residency(self.rank)
         reps = {i: r for i, r in enumerate(self.dep.replicas) if r.server == self.rank}
         act = "relu" if s.model.expert_matrices == 2 else "swiglu"
         torch.set_num_threads(1)
         self.proxy = None  # quality.inrun: the proxy's real hidden states and trained experts
         if spec.quality.inrun:
-            from workloads.proxy.inrun import INRUN_DIR, stepper_for_run
             n_tok = spec.workload.prompt_tokens + spec.workload.gen_tokens
             self.proxy = stepper_for_run(  # the reference follows the trace's experts, as the run
                 spec, [rq.id for rq in s.requests],
@@ -178,15 +193,19 @@ class Worker:
         self.peer_backlog = [0.0] * self.N
         self.last_heard = [0.0] * self.N
         self.reachable = [True] * self.N
+        self.max_gap = [0.0] * self.N  # longest silence heard from each peer (wall s)
+        #: per peer: (frame number, resolver) of sent frames it has not acknowledged yet
+        self.unacked: dict[int, deque] = {p: deque() for p in range(self.N) if p != self.rank}
+        self.relayered: set[tuple] = set()  # token-layer attempts already re-routed or failed here
         self.writer = RecordWriter(Path(cfg.run_dir), self.k, part_prefix=f"w{self.rank}-")
-        self.realized = dict(tx=0.0, off=0.0, cq=0.0, q=0.0)
         self.parts: dict[tuple, _Participation] = {}
         self.gathers: dict[tuple, _Gather] = {}
         self.home_requests = [rq for rq in s.requests if rq.home == self.rank]
         self.requests: dict[int, _Request] = {}
         self.routing_cache: OrderedDict[int, tuple] = OrderedDict()
         self.pending_home = len(self.home_requests)
-        self.stats = {"frames_out": 0, "token_layers": 0, "retries": 0, "failed_tokens": 0}
+        self.stats = {"frames_out": 0, "token_layers": 0, "retries": 0, "failed_tokens": 0,
+                      "resolved_unacked": 0, "fails_relayed": 0}
         self.stopping = False
 
     # -- clocks ------------------------------------------------------------------
@@ -203,10 +222,10 @@ class Worker:
         self.loop = loop
         eng = self.spec.engine
         prec = [r.precision for r in self.dep.replicas]
-        sched = StepScheduler(self.core.world, self.rank, prec.__getitem__, self._resident,
+        sched = StepScheduler(self.core.world, self.rank, prec.__getitem__, self.residency.is_gpu,
                               scope="layer" if self.hardware else "replica",
                               max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
-                              on_execute=self._on_execute if self.dynamic else None)
+                              on_execute=self.residency.on_execute)
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
                                     self.wall, self._log)
         if self.cfg.rendezvous is not None:  # peers from the store, not from the config
@@ -228,7 +247,8 @@ class Worker:
             raise RuntimeError(f"expected START, got {line!r}")
         self.t0 = float(line.split()[1])
         self.cpu_at_start = time.process_time()
-        self.last_heard = [0.0] * self.N
+        # silence counts from the first window, when the first STATE frames are sent
+        self.last_heard = [self.wall(self.window)] * self.N
         for rq in self.home_requests:
             loop.call_at(self.wall(rq.arrival_s), self._arrive, rq)
         loop.call_at(self.wall(self.window), self._tick, 1)
@@ -255,22 +275,20 @@ class Worker:
             return
         now_wall = time.monotonic()
         backlog = self.stream.backlog()
+        got = self.net.received_frames
         frame = state_frame([backlog] + [0.0] * (self.N - 1), self.reachable, self.rank, window,
-                            window * self.window, self.now())
+                            window * self.window, self.now(),
+                            received=[got.get(p, 0) for p in range(self.N)])
         for peer in range(self.N):
             if peer != self.rank and self.reachable[peer]:
                 self._send(peer, frame)
-        silent = 3 * self.window * self.T
+        silent = SILENT_WINDOWS * self.window * self.T
         for peer in range(self.N):
-            if peer != self.rank and self.reachable[peer] and self.last_heard[peer] \
-                    and now_wall - self.last_heard[peer] > silent:
-                self._peer_lost(peer, "silent for three windows")
+            if peer != self.rank and self.reachable[peer] and now_wall - self.last_heard[peer] > silent:
+                self._peer_lost(peer, f"silent for {SILENT_WINDOWS} windows")
         snap = list(self.peer_backlog)
         snap[self.rank] = backlog
         self.view.refresh(window, window * self.window, snap, list(self.reachable))
-        if any(self.realized.values()):
-            self.decider.on_window(dict(self.realized))
-            self.realized = dict(tx=0.0, off=0.0, cq=0.0, q=0.0)
         self._check_timeouts()
         self.loop.call_at(self.wall((window + 1) * self.window), self._tick, window + 1)
 
@@ -294,19 +312,39 @@ class Worker:
         self.view.alive[peer] = False
         self.view.faultless = False
         self._log(f"peer {peer} unreachable: {why}")
+        if self.stopping:
+            return
+        pending, self.unacked[peer] = self.unacked[peer], deque()
+        for _, resolve in pending:  # sent, never acknowledged: lost with the link
+            self.stats["resolved_unacked"] += 1
+            try:
+                resolve(peer)
+            except Exception:
+                self._log("error resolving a lost frame:\n" + traceback.format_exc())
         for g in list(self.gathers.values()):
             if g.header is not None and peer in self._participants(g.header) and peer not in g.partials:
                 self._reroute(g, f"participant {peer} lost")
 
     # -- sending ------------------------------------------------------------------------
-    def _send(self, dst: int, frame: Frame) -> bool:
+    def _send(self, dst: int, frame: Frame, resolve=None) -> bool:
+        """Send ``frame``; ``resolve(dst)`` runs if ``dst`` is lost before acknowledging it."""
         if dst == self.rank:
             self.loop.call_soon(self._on_frame, frame, time.monotonic())
             return True
+        if not self.reachable[dst]:  # lost: a cut link would swallow the frame without an error
+            return False
         ok = self.net.send(dst, frame)
         if ok:
             self.stats["frames_out"] += 1
+            if resolve is not None:
+                self.unacked[dst].append((self.net.sent_frames[dst], resolve))
         return ok
+
+    def _acked(self, src: int, received: list[int]) -> None:
+        n = received[self.rank] if self.rank < len(received) else 0
+        q = self.unacked.get(src)
+        while q and q[0][0] <= n:
+            q.popleft()
 
     def _hidden_frame(self, h: Header, t: torch.Tensor) -> Frame:
         """Callers build ``h`` with dtype FLOAT32 and shape (d,) so no copy of it is made."""
@@ -370,7 +408,8 @@ class Worker:
         tv.ctx = tuple(rctx) if rctx else None
         view = self.view
         try:
-            routed = self.core.decide(self.decider, view, tv, targets, self._true_backlog)
+            routed = self.core.decide(self.decider, self.residency, view, tv, targets,
+                                      self._true_backlog)
         except Unroutable as err:
             self._token_failed(hdr, str(err))
             return
@@ -410,10 +449,15 @@ class Worker:
                      lam_acc=float(hdr.lam_acc), t_origin=t_layer, t_send=t_disp,
                      mode=min(retries, 255), ctx=tuple(ctx), dtype=DType.FLOAT32, shape=(self.d,))
         frame = self._hidden_frame(out, h)
+        key = (rid, index, layer, int(out.seq))
+
+        def lost(peer: int) -> None:  # the state never reached ``peer``: route again from here
+            self._relayer(key, out, h, f"server {self.setup.cluster.names[peer]} lost")
         # the aggregator needs the header even where it runs none of the targets
         # (a whole-layer pipeline such as EdgeShard aggregates away from its experts)
         for n in sorted(set(participants) | {int(a.next_server)}):
-            if not self._send(n, frame):
+            if not self._send(n, frame, lost):
+                self.relayered.add(key)  # retried below; what was sent of it is stale
                 self.view.alive[n] = False
                 self.view.faultless = False
                 if retries < 2:
@@ -451,6 +495,9 @@ class Worker:
             return
         h = frame.header
         if 0 <= h.src < self.N:
+            gap = arrival - self.last_heard[h.src]
+            if gap > self.max_gap[h.src]:
+                self.max_gap[h.src] = gap
             self.last_heard[h.src] = arrival
         try:
             if h.mtype == MsgType.HIDDEN:
@@ -462,10 +509,11 @@ class Worker:
             elif h.kind == ControlKind.STATE:
                 backlog, _ = parse_state(frame)
                 self.peer_backlog[h.src] = backlog[0]
+                received = state_received(frame)
+                if received is not None:
+                    self._acked(int(h.src), received)
             elif h.kind == ControlKind.FAIL:
-                rq = self.requests.get(int(h.request))
-                if rq is not None:
-                    self._request_failed(rq, f"token failed at server {h.src}")
+                self._on_fail(frame)
         except Exception:  # one bad token must not take the server down
             self._log("error handling a frame:\n" + traceback.format_exc())
 
@@ -473,6 +521,7 @@ class Worker:
         h = frame.header
         key = (int(h.request), int(h.token), int(h.layer), int(h.seq))
         x = frame.tensor().clone()
+        received = x
         if h.aggregator == self.rank:
             g = self._gather(key)
             g.header, g.hidden, g.opened = h, x, float(h.t_send)
@@ -490,7 +539,7 @@ class Worker:
             _, weights = self._routing(int(h.request), self._n_tokens(int(h.request), h))
             w = weights[int(h.token), int(h.layer)]
         t_arr = (arrival - self.t0) / self.T
-        p = _Participation(key, h, len(mine), torch.zeros(self.d), t_arr)
+        p = _Participation(key, h, len(mine), torch.zeros(self.d), t_arr, hidden=received)
         self.parts[key] = p
         rid, index, prio = int(h.request), int(h.token), self._prio(int(h.request))
         for j, _, r in mine:
@@ -517,8 +566,11 @@ class Worker:
                      src=self.rank, home=h.home, residing=h.residing, aggregator=h.aggregator,
                      part=min(mask, 255), n_parts=min(seen, 255), t_origin=p.arrival,
                      t_send=self.now(), dtype=DType.FLOAT32, shape=(self.d,))
-        if not self._send(int(h.aggregator), self._hidden_frame(out, p.partial)):
-            self._log(f"partial for {p.key} lost: aggregator {h.aggregator} unreachable")
+        agg = int(h.aggregator)
+        why = f"partial output cannot reach server {agg}"
+        if not self._send(agg, self._hidden_frame(out, p.partial),
+                          lambda _, p=p, why=why: self._relayer(p.key, p.header, p.hidden, why)):
+            self._relayer(p.key, h, p.hidden, why)  # re-route the layer from here
 
     def _gather(self, key: tuple) -> _Gather:
         g = self.gathers.get(key)
@@ -585,10 +637,10 @@ class Worker:
         tv = TokenView(int(h.request), int(h.token), int(h.home), 0.0, server=theta,
                        layer=int(h.layer))
         rec = self.core.record(tv, routed, gpus, float(h.t_origin), t_disp - decision_us * 1e-6,
-                               t_disp, fo_end, comp_end, t, n_bytes, len(g.partials))
+                               t_disp, fo_end, comp_end, t, n_bytes, len(g.partials), self.view.window)
         self.writer.token_layer(rec)
         self.stats["token_layers"] += 1
-        self.core.realize(rec, self.realized)
+        self.decider.on_layer_done(rec)  # recorded (and fed back) where the layer aggregates
         lam = float(h.lam_acc) + dq
         nxt = Header(MsgType.TOKEN, request=h.request, seq=h.seq, token=h.token, layer=int(h.layer) + 1,
                      home=h.home, residing=self.rank, src=self.rank, lam_acc=lam, t_origin=t,
@@ -599,15 +651,24 @@ class Worker:
         final = Header(MsgType.TOKEN, flags=Flag.FINAL, request=h.request, seq=h.seq, token=h.token,
                        layer=self.L, home=h.home, residing=self.rank, src=self.rank, lam_acc=lam,
                        t_origin=t, t_send=t, dtype=DType.FLOAT32, shape=(self.d,))
-        if not self._send(int(h.home), self._hidden_frame(final, out)):
-            self._token_failed(final, f"home {h.home} unreachable")
+        why = f"home {self.setup.cluster.names[int(h.home)]} unreachable"
+        if not self._send(int(h.home), self._hidden_frame(final, out),
+                          lambda _, final=final, why=why: self._token_failed(final, why)):
+            self._token_failed(final, why)
 
     def _reroute(self, g: _Gather, why: str) -> None:
         """A participant or partial is lost: route the layer again from here."""
         self.gathers.pop(g.key, None)
-        h = g.header
-        if h is None:
+        if g.header is not None:
+            self._relayer(g.key, g.header, g.hidden, why)
+
+    def _relayer(self, key: tuple, h: Header, hidden: torch.Tensor | None, why: str) -> None:
+        """Route attempt ``key`` (HIDDEN header ``h``, its state) again from this server, once;
+        the third loss of one layer fails the token, as in the simulator."""
+        if key in self.relayered or hidden is None or self.stopping:
             return
+        self.relayered.add(key)
+        self.gathers.pop(key, None)
         if int(h.mode) >= 2:
             self._token_failed(h, why)
             return
@@ -616,14 +677,15 @@ class Worker:
                       home=h.home, residing=self.rank, src=self.rank, lam_acc=h.lam_acc,
                       t_origin=h.t_origin)
         _, _, rctx = self._assignment(h)
-        self._decide(base, g.hidden, rctx, float(h.t_origin), int(h.mode) + 1)
+        self._decide(base, hidden, rctx, float(h.t_origin), int(h.mode) + 1)
 
     # -- tokens back home ---------------------------------------------------------------
     def _on_token(self, frame: Frame) -> None:
         h = frame.header
         rq = self.requests.get(int(h.request))
-        if rq is None or rq.done:
+        if rq is None or rq.done or int(h.token) in rq.finished:
             return
+        rq.finished.add(int(h.token))
         if self.proxy is not None:
             rq.scores[int(h.token)] = self.proxy.score(rq.rid, int(h.token), frame.tensor())
         nxt = rq.token_done(int(h.token), float(h.lam_acc))
@@ -640,8 +702,30 @@ class Worker:
             if rq is not None:
                 self._request_failed(rq, reason)
             return
-        self._send(home, Frame(Header(MsgType.CONTROL, kind=ControlKind.FAIL, request=h.request,
-                                      token=h.token, src=self.rank)))
+        frame = fail_frame(self.rank, home, int(h.request), int(h.token), reason)
+        if not (self.reachable[home] and self._send(home, frame, lambda _: self._relay_fail(frame))):
+            self._relay_fail(frame)
+
+    def _relay_fail(self, frame: Frame) -> None:
+        """The home cannot be reached from here: hand the FAIL to a peer that forwards it."""
+        home = int(frame.header.home)
+        for peer in range(self.N):
+            if peer not in (self.rank, home) and self.reachable[peer] and self._send(peer, frame):
+                self.stats["fails_relayed"] += 1
+                return
+        self._log(f"FAIL of request {frame.header.request} cannot reach its home {home}")
+
+    def _on_fail(self, frame: Frame) -> None:
+        h = frame.header
+        reason = fail_reason(frame) or f"token failed at server {h.src}"
+        if int(h.home) != self.rank:  # relayed: forward to the home
+            if h.src != self.rank and self.reachable[int(h.home)]:
+                out = fail_frame(self.rank, int(h.home), int(h.request), int(h.token), reason)
+                self._send(int(h.home), out)
+            return
+        rq = self.requests.get(int(h.request))
+        if rq is not None:
+            self._request_failed(rq, reason)
 
     def _request_failed(self, rq: _Request, reason: str) -> None:
         if not rq.done:
@@ -667,14 +751,7 @@ class Worker:
         if self.pending_home == 0:
             print("HOMEDONE", flush=True)
 
-    # -- residency hooks (dynamic caches) --------------------------------------------------
-    def _resident(self, r: int) -> bool:
-        return self.decider.gpu_resident(r) if self.dynamic else self.dep.replicas[r].gpu
-
-    def _on_execute(self, r: int, loaded: bool) -> None:
-        if self.dynamic:
-            self.decider.on_execute(r, loaded)
-
+    # -- prefetch copies (online caches) ----------------------------------------------------
     def _prefetch(self, replicas) -> None:
         """Copies into this server's GPU on its copy engine (local replicas only)."""
         t = time.monotonic()
@@ -684,7 +761,7 @@ class Worker:
                 continue
             start = max(t, free)
             free = start + self._load_of(r) * self.T
-            self.loop.call_at(free, self.decider.on_prefetched, r)
+            self.loop.call_at(free, self.residency.on_prefetched, r)
         self._copy_free = free
 
     def close(self) -> dict:
@@ -696,6 +773,7 @@ class Worker:
         svc = np.array(st.service) if st.service else np.zeros((1, 2))
         rel = svc[:, 1] / np.maximum(svc[:, 0], 1e-12)
         return {**self.stats, "rank": self.rank, "batches": st.batches, "jobs": st.jobs,
+                "dq_misreported": self.core.dq_misreported,
                 "kernel_errors": st.kernel_errors,
                 "cpu_s": time.process_time(), "cpu_run_s": getattr(self, "cpu_run_s", None),
                 "release_late_p50_ms": float(np.percentile(late, 50) * 1e3),
@@ -707,6 +785,7 @@ class Worker:
                 "decision_cpu_us_mean": float(np.mean(self.decision_cpu) * 1e6) if self.decision_cpu else 0.0,
                 "decision_cpu_us_p99": float(np.percentile(self.decision_cpu, 99) * 1e6)
                 if self.decision_cpu else 0.0,
+                "max_silence_windows": [round(g / (self.window * self.T), 3) for g in self.max_gap],
                 "wire_errors": self.net.wire_errors, "auth_failures": self.net.auth_failures,
                 "spoofed_frames": self.net.spoofed_frames, "bytes_sent": self.net.sent_bytes,
                 "delivery_late_mean_ms": self.net.late_deliveries / max(1, self.net.frames_in) * 1e3}

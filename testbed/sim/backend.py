@@ -51,6 +51,8 @@ class SimStats:
     decisions: int = 0
     decision_cpu_s: float = 0.0  # measured CPU time of all decisions
     decision_charged_s: float = 0.0  # what the simulated servers were charged
+    dq_misreported: int = 0  # token-layers whose router-reported dq was not the quality model's
+    dq_misreport_first: tuple | None = None  # (request, token, layer, reported, derived)
 
 
 class _Token:
@@ -106,12 +108,13 @@ class SimBackend:
         eng = spec.engine
         self.hardware = spec.physics == "hardware"
         self.deciders = [setup.router.decider(n) for n in range(N)]
-        self.dynamic = core.dynamic
+        #: each server's GPU tiers (static, or the router's online cache), asked the same way
+        self.residency = [d.residency(n) for n, d in enumerate(self.deciders)]
         prec = [r.precision for r in dep.replicas]
-        self.sched = [StepScheduler(core.world, n, prec.__getitem__, self._resident_fn(n),
+        self.sched = [StepScheduler(core.world, n, prec.__getitem__, self.residency[n].is_gpu,
                                     scope="layer" if self.hardware else "replica",
                                     max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
-                                    on_execute=self.deciders[n].on_execute if self.dynamic else None)
+                                    on_execute=self.residency[n].on_execute)
                       for n in range(N)]
         self.wake_at = [-1.0] * N  # a pending hold wake-up per stream
         self.kick_pending = [False] * N  # a step start queued at the current instant
@@ -129,18 +132,11 @@ class SimBackend:
         self.link_up: list[list[bool]] | None = None  # None until a link is cut
         self.max_retries = 2
         self.names = {name: i for i, name in enumerate(cl.names)}
-        self.realized = [dict(tx=0.0, off=0.0, cq=0.0, q=0.0) for _ in range(N)]
         # events
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
         self.stats = SimStats()
-
-    def _resident_fn(self, n: int) -> Callable[[int], bool]:
-        """Tier of a replica on server n right now (the server's own cache, if dynamic)."""
-        if self.dynamic:
-            return self.deciders[n].gpu_resident
-        return self.core.static_gpu.__getitem__
 
     # -- event plumbing -------------------------------------------------------
     def at(self, t: float, fn, arg) -> None:
@@ -193,6 +189,8 @@ class SimBackend:
         st.events = events
         st.sim_time_s = self.now
         st.batches = sum(sc.steps for sc in self.sched)
+        st.dq_misreported = self.core.dq_misreported
+        st.dq_misreport_first = self.core.dq_misreport_first
         return st
 
     def _window(self, _) -> None:
@@ -201,12 +199,6 @@ class SimBackend:
         for n in range(self.N):
             snap[n] = self.sched[n].backlog(t)
         self.snap_window += 1
-        for n in range(self.N):
-            r = self.realized[n]
-            if r["tx"] or r["off"] or r["cq"] or r["q"]:
-                self.deciders[n].on_window(dict(r))
-                for key in r:
-                    r[key] = 0.0
         if self.pending_requests > 0:
             self.at(t + self.window, self._window, None)
 
@@ -300,8 +292,8 @@ class SimBackend:
         if view.window != self.snap_window:
             self._refresh(view)
         try:
-            routed = self.core.decide(self.deciders[theta], view, tv, tok.targets[tv.layer],
-                                      self.true_backlog)
+            routed = self.core.decide(self.deciders[theta], self.residency[theta], view, tv,
+                                      tok.targets[tv.layer], self.true_backlog)
         except Unroutable as err:
             self._fail(tok, str(err))
             return
@@ -367,7 +359,7 @@ class SimBackend:
             self.at(end, self._prefetched, r)
 
     def _prefetched(self, r: int) -> None:
-        self.deciders[self.rep_server[r]].on_prefetched(r)
+        self.residency[self.rep_server[r]].on_prefetched(r)
 
     def _jobs_arrive(self, arg) -> None:
         n, jobs = arg
@@ -474,10 +466,11 @@ class SimBackend:
         if tv.layer == self.L - 1 and a.next_server != tv.home:
             tok.bytes += self.msg_bytes  # the final hop home, sent right after this layer
         rec = self.core.record(tv, tok.routed, tok.gpus, tok.t_layer, tok.t_dec, tok.t_disp,
-                               tok.fan_out_end, tok.compute_end, t, tok.bytes, len(tok.per_server))
+                               tok.fan_out_end, tok.compute_end, t, tok.bytes, len(tok.per_server),
+                               self.snap_window)
         self.w.token_layer(rec)
         self.stats.token_layers += 1
-        self.core.realize(rec, self.realized[tok.decider])
+        self.deciders[tok.decider].on_layer_done(rec)
         tv.lam_acc += tok.routed.dq
         tv.server = a.next_server
         tv.layer += 1

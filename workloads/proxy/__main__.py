@@ -1,7 +1,10 @@
-"""``python -m workloads.proxy train|profile|trace|replay`` (see the package docstring).
+"""``python -m workloads.proxy train|profile|trace`` (see the package docstring).
 
 Runs torch single-threaded (the machine is shared and results must be
-bit-reproducible); errors in user input print one line and exit 2.
+bit-reproducible); errors in user input print one line and exit 2. Replaying a
+run folder is the testbed's (``python -m testbed quality-replay RUN``) and the
+surrogate plot the analysis' (``python -m analysis.quality.surrogate``):
+``replay`` here only points there.
 """
 
 from __future__ import annotations
@@ -15,14 +18,11 @@ from pathlib import Path
 
 import torch
 
-from testbed.quality_io import load_profile, save_profile
-from testbed.spec import SpecError
-
 from ..models import MODELS, get_model
+from ..quality_profile import load_profile, save_profile
 from .data import load_corpus
 from .model import proxy_config
 from .profile import SEGMENT, ProfileParams, default_profile_params, measure
-from .replay import replay_run_dir
 from .report import surrogate_check, write_report
 from .trace import export_trace
 from .train import cache_path, default_cache_dir, load_or_train
@@ -56,10 +56,11 @@ def cmd_train(args: argparse.Namespace, names: list[str]) -> int:
 def profile_one(name: str, out_root: Path, cache: Path | None, segments: int | None,
                 group_size: int, check_requests: int, trace_requests: int = 512,
                 retrain: bool = False) -> dict:
-    """Train (or load), profile, check the surrogate, write the report and the trace of one model."""
-    from analysis.quality.surrogate import load as load_rows  # matplotlib: only when plotting
-    from analysis.quality.surrogate import plot
+    """Train (or load), profile, check the surrogate, write the report and the trace of one model.
 
+    The surrogate check's rows go to ``surrogate.csv``; its plot ``surrogate.png``
+    is drawn by ``python -m analysis.quality.surrogate`` (``make quality-profile``).
+    """
     t0 = time.perf_counter()
     corpus = load_corpus()
     cfg = proxy_config(name)
@@ -88,7 +89,6 @@ def profile_one(name: str, out_root: Path, cache: Path | None, segments: int | N
     t1 = time.perf_counter()
     df, check = surrogate_check(model, corpus, m.quality, m.ce_ref, check_requests)
     df.to_csv(out / "surrogate.csv", index=False)
-    plot(load_rows(out), out / "surrogate.png", f"{name} proxy: random plans on held-out text")
     report = write_report(out, m, info, check, meta)
     t2 = time.perf_counter()
     if trace_requests:
@@ -113,6 +113,8 @@ def cmd_profile(args: argparse.Namespace, names: list[str]) -> int:
               f"Q_sub median {p['q_sub']['median']:.3g}; surrogate Spearman {c['spearman_rho']:.3f} "
               f"(p={c['spearman_p']:.2g}); {r['timing']['total_s']} s -> {args.out / n}/profile.npz")
     print(f"total {total} s")
+    _log("surrogate plots: python -m analysis.quality.surrogate OUT/MODEL --out OUT/MODEL/surrogate.png "
+         "(make quality-profile draws them)")
     if len(names) > 1:
         (args.out / "summary.json").write_text(json.dumps(
             {"total_s": total, "models": {n: {"timing": r["timing"], "profile": r["profile"],
@@ -140,24 +142,17 @@ def cmd_trace(args: argparse.Namespace, names: list[str]) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    run = args.run
-    if not (run / "spec.resolved.yaml").exists():
-        _log(f"error: {run}: not a run folder (no spec.resolved.yaml)")
-        return 2
-    try:
-        summary = replay_run_dir(run, args.trace, args.profile, args.cache, _log)
-    except (ValueError, SpecError) as err:
-        _log(f"error: {err}")
-        return 2
-    print(json.dumps(summary, indent=1))
-    return 0
+    _log("error: replaying a run moved to the testbed: python -m testbed quality-replay RUN "
+         "[--trace PATH] [--profile PATH] [--cache DIR]")
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser(prog="python -m workloads.proxy",
                                      description="Proxy MoE models: train, profile quality, export "
-                                                 "traces, replay runs for measured quality.")
+                                                 "traces (replaying a run: python -m testbed "
+                                                 "quality-replay RUN).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def models_opts(p: argparse.ArgumentParser) -> None:
@@ -182,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p_trace.add_argument("--out", type=Path, required=True)
     p_trace.add_argument("--requests", type=int, default=512, help="held-out requests (ids 0..n-1)")
     p_trace.add_argument("--calibration-requests", type=int, default=64)
-    p_replay = sub.add_parser("replay", help="measured quality of a finished run on a proxy trace")
+    p_replay = sub.add_parser("replay", help="moved: python -m testbed quality-replay RUN")
     p_replay.add_argument("run", type=Path)
     p_replay.add_argument("--trace", type=Path, default=None, help="default: the run's workload.trace")
     p_replay.add_argument("--profile", type=Path, default=None, help="default: the run's quality.profile")

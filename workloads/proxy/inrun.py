@@ -17,9 +17,13 @@ earlier positions of its text and to its own key and value from the run's
 state. What a token's in-run loss measures is the effect of its own routing
 choices through every layer, which is what the surrogate Lambda (eq. 8)
 accumulates per token; errors that earlier positions would pass on through
-attention are left out. The post-run replay (``replay.py``) re-executes whole
+attention are left out. The post-run replay (``replay``) re-executes whole
 requests and includes them; for the first position, and whenever only the
 last position is perturbed, the two agree (tests/test_proxy_inrun.py).
+
+This module is the model side (``ProxyStepper``); the texts of a run's
+requests, the workers' result lines and their merge into ``quality_inrun.csv``
+are ``testbed.quality_inrun``.
 
 Gate weights are recomputed from the run's state with the routing fixed to
 the trace's targets, as the replay does (``model.MoEBlock.gate``).
@@ -27,19 +31,15 @@ the trace's targets, as the replay does (``model.MoEBlock.gate``).
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from .model import Plan, ProxyMoE, _ffn
-from .profile import SEGMENT, kl_rows
+from .profile import kl_rows
 
 
 @dataclass(frozen=True)
@@ -182,95 +182,3 @@ class ProxyStepper:
         tgt = int(ref.tokens[pos + 1])
         ce_run = float(-torch.log_softmax(logits.double(), dim=-1)[tgt])
         return kl, float(-ref_logp[tgt]), ce_run
-
-
-def run_texts(spec, meta: dict, corpus, request_ids) -> dict[int, np.ndarray]:
-    """Text of each request of a run on a proxy trace: its segment, prompt + gen tokens + 1."""
-    from ..models import get_model
-    from .data import segments
-    from .trace import file_request
-
-    if meta["model"] != get_model(spec.workload.model).name:
-        raise ValueError(f"the trace is of {meta['model']}, not {spec.workload.model}")
-    n_tok = spec.workload.prompt_tokens + spec.workload.gen_tokens
-    if n_tok > SEGMENT:
-        raise ValueError(f"in-run quality needs at most {SEGMENT} tokens per request "
-                         f"(prompt + gen = {n_tok})")
-    segs = {"heldout": segments(corpus.heldout, SEGMENT, meta["heldout_requests"]),
-            "calibration": segments(corpus.calibration, SEGMENT, meta["calibration_requests"])}
-    out = {}
-    for r in request_ids:
-        split, i = file_request(int(r), meta)
-        out[int(r)] = segs[split][i][:n_tok + 1]
-    return out
-
-
-def stepper_for_run(spec, request_ids, routes: Callable[[int], np.ndarray] | None = None,
-                    log=lambda msg: None) -> ProxyStepper:
-    """The proxy that made the run's trace (from the weight cache) and the requests' texts."""
-    from .data import load_corpus
-    from .trace import trace_proxy
-
-    corpus = load_corpus()
-    model, meta = trace_proxy(Path(spec.workload.trace), corpus, log)
-    torch.set_grad_enabled(False)
-    return ProxyStepper(model, run_texts(spec, meta, corpus, request_ids), routes)
-
-
-# -- results ---------------------------------------------------------------------------
-
-INRUN_DIR = "quality_inrun"  # per-worker JSON lines, one line per finished request
-
-
-def _choices(run_dir: Path) -> pd.DataFrame:
-    """Per request: quantized and substituted expert slots, from the token-layer records."""
-    from testbed.records import flat, read_records
-
-    tl, _ = read_records(run_dir)
-    prec, target, ex = (flat(tl[c]) for c in ("precision", "target", "exec_expert"))
-    return pd.DataFrame({"request": tl.request.to_numpy(), "quantized": (prec != 0).sum(1),
-                         "substituted": (target != ex).sum(1)}).groupby("request", as_index=False).sum()
-
-
-def collect(run_dir: Path, ce_ref: float, warmup_s: float) -> tuple[pd.DataFrame, dict]:
-    """Merge the workers' in-run lines into ``quality_inrun.csv``; summary as the replay's.
-
-    Where the run was also replayed (``quality_replay.csv``), the summary adds
-    how the two measurements relate per request.
-    """
-    from .replay import summarise
-
-    rows = []
-    for f in sorted((run_dir / INRUN_DIR).glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
-    if not rows:  # e.g. every request failed: nothing measured, the run's other results stand
-        return pd.DataFrame(), {"requests": 0}
-    # one line per request; a line repeated (a worker restarted into this folder) counts once
-    df = (pd.DataFrame(rows).drop_duplicates("request", keep="last")
-          .sort_values("request", kind="stable").reset_index(drop=True))
-    kl = df.pop("kl_tokens").map(np.asarray)
-    ce0, ce1 = df.pop("ce_ref_tokens").map(np.asarray), df.pop("ce_run_tokens").map(np.asarray)
-    df["kl_nats"] = kl.map(np.mean)
-    df["kl_first_token"] = kl.map(lambda a: float(a[0]))
-    df["degradation"] = df.kl_nats / ce_ref
-    df["degradation_max_token"] = kl.map(np.max) / ce_ref
-    df["ce_ref"], df["ce_run"] = ce0.map(np.mean), ce1.map(np.mean)
-    df["ppl_ratio"] = np.exp(df.ce_run - df.ce_ref)
-    df["measured"] = df.arrival_s >= warmup_s
-    df = df.merge(_choices(run_dir), on="request", how="left")
-    df.to_csv(run_dir / "quality_inrun.csv", index=False)
-    summary = summarise(df[df.measured], ce_ref)
-    rep = run_dir / "quality_replay.csv"
-    if rep.exists():
-        r = pd.read_csv(rep)[["request", "degradation"]].rename(columns={"degradation": "replay"})
-        j = df[df.measured].merge(r, on="request")
-        if len(j):
-            from .replay import _spearman
-            rho, _ = _spearman(j.degradation.to_numpy(), j.replay.to_numpy())
-            summary |= {"replay_requests": int(len(j)), "replay_spearman_rho": rho,
-                        "replay_degradation_mean": float(j.replay.mean()),
-                        "inrun_over_replay": float(j.degradation.mean() / j.replay.mean())
-                        if j.replay.mean() > 0 else math.nan}
-    return df, summary

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .models import ModelSpec
+from ..models import ModelSpec
 
 MAX_EXAMPLES = 5  # line numbers kept per kind of problem in the report
 
