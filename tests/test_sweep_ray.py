@@ -19,12 +19,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from testbed.cli import app
 from testbed.sweep import FigureSpec, expand, figure_path, load_figure, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
+FIG2 = figure_path(2)
 SWEEP = [sys.executable, "-m", "testbed", "sweep", "--fig", "2", "--backend", "sim",
          "--scale", "smoke", "--jobs", "2", "--quiet"]
 
@@ -75,6 +77,8 @@ def test_ray_sweep_resumes_after_sigkill_and_equals_local(tmp_path: Path) -> Non
     pytest.importorskip("ray", reason="pip install 'hetroute-testbed[ray]' (in the test extra)")
     local, ray = tmp_path / "local", tmp_path / "ray"
     _sweep(local)
+    points = len(_complete(local))  # one per router of Fig. 2 at smoke scale (one seed)
+    assert points == len(yaml.safe_load(FIG2.read_text())["axes"]["router.name"])
     # the calibrated decision time is timed once per placement and host and kept in the
     # placement cache: two sweeps into separate folders (two local ones too) time it anew
     # and differ by a microsecond here and there, so the ray sweep starts from the same cache
@@ -89,9 +93,9 @@ def test_ray_sweep_resumes_after_sigkill_and_equals_local(tmp_path: Path) -> Non
     done = _complete(ray)
     out = _sweep(ray, "--executor", "ray")
     m = re.search(r"(\d+) runs \((\d+) skipped\)", out.stdout)
-    assert m and int(m.group(1)) == 5 and int(m.group(2)) == len(done) >= 1, out.stdout
+    assert m and int(m.group(1)) == points and int(m.group(2)) == len(done) >= 1, out.stdout
     assert all(path.read_bytes() == before for path, before in done.items())  # not re-run
-    assert len(_complete(ray)) == 5
+    assert len(_complete(ray)) == points
     a, b = _files(local), _files(ray)
     assert a.keys() == b.keys()
     assert [f for f in a if a[f] != b[f]] == []
