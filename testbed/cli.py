@@ -87,12 +87,11 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
         base = _load(spec, set_)
         root = out or Path("results/compare") / base.name
         folder_of = {n: n.replace(":", ".") for n in names}  # pkg.mod:Class -> pkg.mod.Class
-        runs = [(name, folder_of[name], {}) for name in names]
+        runs = [(name, name, folder_of[name], {}) for name in names]
         if reference:
-            runs += [(f"{name} (own regime)", f"{folder_of[name]}-own-regime", dict(regime))
+            runs += [(name, f"{name} (own regime)", f"{folder_of[name]}-own-regime", dict(regime))
                      for name in names if (regime := get_router(name).own_regime)]
-        for label, folder, regime in runs:
-            name = label.split(" ")[0]
+        for name, label, folder, regime in runs:
             s = base.with_overrides({"router.name": name, "name": f"{base.name}-{folder}", **regime})
             rows[label] = run_experiment(s, root / folder, progress=not quiet,
                                          base_dir=Path(spec).parent).metrics

@@ -57,13 +57,15 @@ class RunSetup:
     notes: dict = field(default_factory=dict)
     #: CPU seconds the simulator charges per routing decision (``engine.decision_s``)
     decision_s: float = 0.0
+    #: task of each request id this run generated (derived from ``requests``)
+    tasks: dict[int, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.tasks = {rq.id: rq.task for rq in self.requests}
 
     def task_of(self, rid: int) -> int:
         """The task of request ``rid`` (0 for ids this run did not generate)."""
-        tasks = self.__dict__.get("_tasks")
-        if tasks is None:
-            tasks = self.__dict__["_tasks"] = {rq.id: rq.task for rq in self.requests}
-        return tasks.get(int(rid), 0)
+        return self.tasks.get(int(rid), 0)
 
     def routing(self, rid: int, n_tokens: int):
         """The trace's routing of request ``rid``, by its task."""

@@ -179,5 +179,5 @@ class EdgeShardThroughput(EdgeShard):
         bottleneck = self.placement_report.pop("planned_latency_s")
         self.placement_report.update(planned_bottleneck_s=bottleneck,
                                      planned_tokens_per_s=(1.0 / bottleneck if bottleneck > 0 else INF),
-                                     stages=len({s for s in servers}))
+                                     stages=len(set(servers)))
         return dep
