@@ -13,7 +13,7 @@ from hetroute.routers import available
 
 from .hardware_cli import app as hardware_app
 from .lifecycle import sigterm_as_interrupt
-from .metrics import format_table
+from .metrics import format_decode, format_table
 from .spec import ExperimentSpec, SpecError, load_spec, parse_override, parse_spec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -63,6 +63,8 @@ def run(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
                    f"records written so far are kept", err=True)
         raise typer.Exit(130) from None
     typer.echo(format_table({s.router.name: res.metrics}))
+    if decode := format_decode({s.router.name: res.metrics}):
+        typer.echo(decode)
     typer.echo(f"results: {res.out_dir}  (placement {res.info['placement_s']:.1f} s, "
                f"backend {res.info['backend_s']:.1f} s)")
 
@@ -99,6 +101,8 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
         _fail(str(err).strip("'\""))
         return
     typer.echo(format_table(rows))
+    if decode := format_decode(rows):
+        typer.echo(decode)
     notes = {n: get_router(n).memory_note for n in names}
     for n, note in notes.items():
         if note:

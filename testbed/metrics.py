@@ -55,6 +55,7 @@ def compute_metrics(tl: pd.DataFrame, rq: pd.DataFrame, warmup_s: float, duratio
     out["lam_max"] = float(ok.lam_max.max()) if len(ok) else math.nan
     out["budget_violations"] = int((ok.lam_max > budget * (1 + 1e-9) + 1e-12).sum())
     out.update(stability(ok))
+    out.update(decode_metrics(ok, rq[rq.status == "ok"], warmup_s, duration_s))
     if tl.empty:
         return out
     m = tl[tl.request.isin(win.request)]
@@ -85,6 +86,41 @@ def compute_metrics(tl: pd.DataFrame, rq: pd.DataFrame, warmup_s: float, duratio
         out["decision_ms"] = float(m.decision_s.mean() * 1e3)  # routing CPU, with its queueing
     out["view_age_ms"] = float(m.view_age_s.mean() * 1e3)
     out["backlog_err_ms"] = float(m.backlog_err_s.abs().mean() * 1e3)
+    return out
+
+
+DECODE = (
+    ("ttft_ms", "mean time to first token (ms): arrival to the prompt's last token home"),
+    ("ttft_p99_ms", "P99 time to first token (ms)"),
+    ("tpot_ms", "mean time per output token (ms): first token to last, over generated tokens"),
+    ("gen_tok_s", "generated tokens home inside the window, per second (Fig. 2(f) with decode)"),
+    ("window_x_latency", "measured window over the mean request latency"),
+)
+
+
+def decode_metrics(ok: pd.DataFrame, done: pd.DataFrame, warmup_s: float, duration_s: float) -> dict:
+    """Prefill and decode timing of the measured, completed requests (``ok``).
+
+    Generated tokens of every completed request (``done``) are counted one by one when
+    they reach home inside the window, whenever their request arrived, so a decode
+    run's throughput does not wait for requests that outlast the window. ``window_x_latency`` below ~2 says the window
+    is short against a request's life: the queues may not have reached their level.
+    Records written before these columns existed give NaN.
+    """
+    window = duration_s - warmup_s
+    out = {k: math.nan for k, _ in DECODE}
+    if ok.empty or "first_s" not in ok:
+        return out
+    ttft = (ok.first_s - ok.arrival_s).to_numpy()
+    out["ttft_ms"] = float(np.nanmean(ttft) * 1e3)
+    out["ttft_p99_ms"] = float(np.nanpercentile(ttft, 99) * 1e3)
+    n_gen = ok.gen_done_s.map(len).to_numpy()
+    dec = n_gen > 0
+    if dec.any():
+        out["tpot_ms"] = float(((ok.done_s - ok.first_s).to_numpy()[dec] / n_gen[dec]).mean() * 1e3)
+    times = np.concatenate([np.asarray(v, dtype=float) for v in done.gen_done_s] + [np.empty(0)])
+    out["gen_tok_s"] = float(((times >= warmup_s) & (times < duration_s)).sum() / window)
+    out["window_x_latency"] = float(window / ok.latency_s.mean()) if ok.latency_s.mean() > 0 else math.nan
     return out
 
 
@@ -121,7 +157,9 @@ def format_table(rows: dict[str, dict], keys=HEADLINE) -> str:
     short = {"mean_ms": "mean ms", "p50_ms": "p50 ms", "p99_ms": "P99 ms",
              "gb_per_1k_tokens": "GB/1k tok", "remote_ratio": "remote", "cpu_offload_ratio": "CPU-off",
              "throughput_tok_s": "tok/s", "sla_ratio": "SLA", "latency_trend": "trend",
-             "mem_gpu_gb": "GPU GB", "mem_cpu_gb": "CPU GB", "mem_x_model": "replicas"}
+             "mem_gpu_gb": "GPU GB", "mem_cpu_gb": "CPU GB", "mem_x_model": "replicas",
+             "ttft_ms": "TTFT ms", "ttft_p99_ms": "TTFT P99", "tpot_ms": "TPOT ms",
+             "gen_tok_s": "gen tok/s", "window_x_latency": "window/latency"}
     cols = [k for k, _ in keys]
     head = ["router"] + [short.get(c, c) for c in cols]
     lines = [head]
@@ -148,3 +186,9 @@ def format_table(rows: dict[str, dict], keys=HEADLINE) -> str:
     widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
                                enumerate(zip(r, widths))) for r in lines)
+
+
+def format_decode(rows: dict[str, dict]) -> str:
+    """The decode table (``DECODE`` columns) of the rows that generated tokens; "" if none."""
+    dec = {label: met for label, met in rows.items() if not math.isnan(met.get("tpot_ms", math.nan))}
+    return format_table(dec, DECODE) if dec else ""

@@ -37,6 +37,8 @@ REQUEST_COLUMNS = (
     ("arrival_s", pa.float64()), ("done_s", pa.float64()), ("latency_s", pa.float64()),
     ("tokens", pa.int32()), ("lam_mean", pa.float64()), ("lam_max", pa.float64()),
     ("status", pa.string()), ("reason", pa.string()),
+    # decode timing (testbed/progress.py): the prompt's last token home, each generated token home
+    ("first_s", pa.float64()), ("gen_done_s", pa.list_(pa.float64())),
 )
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from analysis.claims import evaluate
 from analysis.load import flatten, select
+from analysis.render import FIGURES
 from testbed.spec import SpecError
 from testbed.sweep import FigureSpec, done, expand, figure_path, load_figure
 
@@ -57,7 +58,7 @@ def test_value_reduction_ratio_order_growth():
 
 
 def test_every_figure_spec_loads_and_expands(tmp_path):
-    for fig in range(2, 10):
+    for fig in FIGURES:
         spec = load_figure(figure_path(fig))
         for scale in ("smoke", "quick", "full"):
             pts = expand(spec, "sim", scale, tmp_path)

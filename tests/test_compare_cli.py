@@ -23,7 +23,10 @@ def test_compare_adds_a_row_run_in_the_routers_own_regime(tmp_path):
                                  "tests.regime_router:DecodeRegime", "--out", str(out), "--quiet"])
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
-    assert lines[-2].startswith("tests.regime_router:DecodeRegime ")
+    assert lines[-4].startswith("tests.regime_router:DecodeRegime ")
+    assert lines[-3].startswith("tests.regime_router:DecodeRegime (own regime)")
+    # the decode table under it lists only the row that generated tokens
+    assert lines[-2].split()[:3] == ["router", "TTFT", "ms"]
     assert lines[-1].startswith("tests.regime_router:DecodeRegime (own regime)")
     base = yaml.safe_load((out / "tests.regime_router.DecodeRegime" / "spec.resolved.yaml").read_text())
     own = yaml.safe_load((out / "tests.regime_router.DecodeRegime-own-regime" / "spec.resolved.yaml").read_text())

@@ -1,4 +1,4 @@
-"""``make experiment FIG=N BACKEND=sim SCALE=smoke`` for every figure of the paper (issue 5).
+"""``make experiment FIG=N BACKEND=sim SCALE=smoke`` for every figure (the paper's and ours).
 
 Runs the real entry point into a temporary results folder and checks that the
 figure, its PDF and its claims file are written, that every claim of the spec
@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from analysis.render import FIGURES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fig", range(2, 10))
+@pytest.mark.parametrize("fig", FIGURES)
 def test_smoke_experiment_renders_figure_and_claims(fig: int, tmp_path: Path) -> None:
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
@@ -41,7 +43,7 @@ def test_smoke_experiment_renders_figure_and_claims(fig: int, tmp_path: Path) ->
     rows = claims["claims"] if isinstance(claims, dict) else claims
     spec = yaml.safe_load((ROOT / "analysis" / "specs" / f"fig{fig}.yaml").read_text())
     assert {c["id"] for c in rows} == {c["id"] for c in spec["claims"]}
-    assert any(c.get("measured") is not None for c in rows)
+    assert any(c.get("measured") is not None for c in rows) or not spec["claims"]  # 10: none
     # the simulator has no network to check: no fidelity table, and none left from an emulated run
     assert claims["fidelity"] is None and not (tmp_path / "figures" / f"fig{fig}.fidelity.csv").exists()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

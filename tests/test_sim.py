@@ -148,6 +148,11 @@ def test_two_branches_fan_in_to_aggregator_and_records_are_complete():
     # the decode token starts after both prompt tokens finished
     first_decode = tl[tl.token == 2].t_start.min()
     assert first_decode >= tl[tl.token < 2].t_start.max()
+    # the request's decode times: the prompt home before the decode token starts, which is
+    # home at the request's end (aggregator 0 is the home: no final hop)
+    end = (tl.t_start + tl.total_s).groupby(tl.token).max()
+    assert rq.first_s[0] == pytest.approx(end[:2].max()) and rq.first_s[0] <= first_decode
+    assert list(rq.gen_done_s[0]) == pytest.approx([end[2]]) and rq.done_s[0] == pytest.approx(end[2])
 
 
 # -- the hardware world (issue 12) ----------------------------------------------------------

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 from tqdm import tqdm
 
+from ..progress import RequestProgress
 from ..records import RecordWriter, read_records
 from ..setup import RunSetup, _cache_file, _save_placement
 from .dilation import choose_dilation
@@ -203,10 +204,10 @@ class EmuBackend:
         if missing:
             w = RecordWriter(self.out, self.s.shape.top_k, part_prefix="runner-")
             for r in missing:
-                w.request((r.id, r.user, r.home, r.arrival_s, float("nan"), float("nan"),
-                           r.prompt_tokens + r.gen_tokens, float("nan"), float("nan"), "failed",
-                           f"no record: home {self.s.cluster.names[r.home]} did not answer within "
-                           f"emu.max_drain_s={self.s.spec.emu.max_drain_s:g} s of the last arrival"))
+                w.request(RequestProgress(r.prompt_tokens, r.gen_tokens).row(
+                    r.id, r.user, r.home, r.arrival_s, float("nan"), "failed",
+                    f"no record: home {self.s.cluster.names[r.home]} did not answer within "
+                    f"emu.max_drain_s={self.s.spec.emu.max_drain_s:g} s of the last arrival"))
             w.close()
         return {"requests_unrecorded": len(missing)}
 

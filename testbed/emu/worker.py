@@ -688,7 +688,7 @@ class Worker:
         rq.finished.add(int(h.token))
         if self.proxy is not None:
             rq.scores[int(h.token)] = self.proxy.score(rq.rid, int(h.token), frame.tensor())
-        nxt = rq.token_done(int(h.token), float(h.lam_acc))
+        nxt = rq.token_done(int(h.token), float(h.lam_acc), self.now())
         if nxt == FINISHED:
             self._request_done(rq, "ok", "")
         elif nxt is not None:
@@ -735,8 +735,7 @@ class Worker:
         rq.done = True
         t = self.now()
         lam_mean, lam_max = rq.lam_stats()
-        self.writer.request((rq.rid, rq.user, self.rank, rq.arrival, t, t - rq.arrival,
-                             rq.prompt + rq.gen, lam_mean, lam_max, status, reason))
+        self.writer.request(rq.row(rq.rid, rq.user, self.rank, rq.arrival, t, status, reason))
         if self.proxy is not None and status == "ok":
             sc = [rq.scores[i] for i in sorted(rq.scores)]
             self.inrun_file.write(json.dumps({

@@ -490,7 +490,7 @@ class SimBackend:
         req = tok.req
         if req.failed:
             return
-        nxt = req.token_done(tok.view.index, tok.view.lam_acc)
+        nxt = req.token_done(tok.view.index, tok.view.lam_acc, self.now)
         if nxt == FINISHED:
             self._request_done(req)
         elif nxt is not None:
@@ -498,9 +498,8 @@ class SimBackend:
 
     def _request_done(self, req: _Request) -> None:
         t = self.now
-        self.w.request((req.rid, req.user, req.home, req.arrival, t, t - req.arrival,
-                        req.prompt + req.gen, *req.lam_stats(),
-                        "failed" if req.failed else "ok", req.reason))
+        self.w.request(req.row(req.rid, req.user, req.home, req.arrival, t,
+                               "failed" if req.failed else "ok", req.reason))
         for d in {id(x): x for x in self.deciders}.values():
             d.on_request_done(req.rid)
         self.pending_requests -= 1
