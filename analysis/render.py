@@ -8,6 +8,8 @@ import importlib
 import json
 from pathlib import Path
 
+from testbed.capacity import describe, read_capacities
+from testbed.spec import ExperimentSpec
 from testbed.sweep import figure_path, load_figure
 
 from .claims import evaluate_all
@@ -42,6 +44,9 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path,
     data = load_figure_data(spec, backend, scale, results, physics)
     module = importlib.import_module(f"analysis.plots.fig{fig}")
     figure = module.render(data)
+    capacity = capacities(spec, results, physics)
+    if capacity:
+        figure.text(0.01, 0.005, capacity_line(capacity, spec), ha="left", fontsize=6, color="grey")
     seeds = sorted(set(int(x) for x in data.runs.seed)) if not data.runs.empty else []
     figure.text(0.99, 0.005, f"{backend}/{scale}, physics: {physics}: {len(data.runs)} runs"
                 + (f", {data.missing} missing" if data.missing else "")
@@ -58,6 +63,7 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path,
     import matplotlib.pyplot as plt
     plt.close(figure)
     claims = claims_file(data)
+    claims["capacity"] = capacity or None
     table = fidelity_table(data)
     claims["fidelity"] = summarise(table)
     for path in (out / f"{name}.claims.json", by_run / f"fig{fig}-{tag}.claims.json"):
@@ -69,6 +75,24 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path,
         for path in (current, by_run / f"fig{fig}-{tag}.fidelity.csv"):
             table.to_csv(path, index=False, float_format="%.4g")
     return claims
+
+
+def _sla_s(spec) -> float:
+    return float(spec.base.get("sla_s", ExperimentSpec.model_fields["sla_s"].default))
+
+
+def capacities(spec, results: Path, physics: str) -> dict[str, dict]:
+    """Capacities searched in this world at the figure's SLA, for the figure's routers."""
+    if not spec.capacity:
+        return {}
+    routers = spec.axes.get("router.name") or [spec.base.get("router", {}).get("name", "hetroute")]
+    found = read_capacities(results, physics, _sla_s(spec))
+    return {r: found[r] for r in routers if r in found}
+
+
+def capacity_line(capacity: dict[str, dict], spec) -> str:
+    return (f"capacity (90% within {_sla_s(spec) * 1e3:g} ms, `testbed capacity`): "
+            + "; ".join(f"{r} {describe(c)}" for r, c in capacity.items()))
 
 
 def claims_file(data: FigureData) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from testbed.capacity import describe
 from testbed.sweep import figure_path, load_figure
 
 from .render import FIGURES, stem
@@ -96,6 +97,10 @@ def build_report(out: Path) -> Path:
             lines.append(f"- {p}: backend **{d['backend']}**, scale **{d['scale']}**, {d['runs']} "
                          f"runs, seeds {d['seeds']}" + (f", **{d['missing_runs']} runs missing**"
                                                         if d["missing_runs"] else "") + ".")
+            if d.get("capacity"):
+                lines.append(f"  Capacity, {p}: " + "; ".join(
+                    f"{r} {describe(c)}" for r, c in d["capacity"].items())
+                    + f" (90% within {next(iter(d['capacity'].values()))['sla_s'] * 1e3:g} ms).")
         lines += ["", "| claim | paper | hardware | 95% CI | verdict | paper physics | 95% CI | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
         by_id = {p: {c["id"]: c for c in d["claims"]} for p, d in data.items()}

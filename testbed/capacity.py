@@ -6,12 +6,15 @@ then bisecting (geometrically) between the last load that met it and the
 first that did not, to ``rel_tol``. Every probe is a complete run folder under
 ``results/capacity/<spec>-<physics>/<router>/rate=<r>/`` and is reused when its resolved
 spec is unchanged, so a second search, or a killed one, costs only what is new.
-The SLA share counts failed requests as misses (``metrics.sla_ratio``).
+The SLA share counts failed requests as misses (``metrics.sla_ratio``). The answer is
+written beside the probes (``capacity.json``), where the compare table and Figs. 2 and 9
+read it (``read_capacities``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .runner import is_done, run_experiment
@@ -34,7 +37,6 @@ def _probe(spec: ExperimentSpec, rate: float, root: Path, cache: Path) -> dict:
                                             "name": f"{spec.name}-rate{rate:g}"}))
     out = root / f"rate={rate:.4g}"
     if is_done(out, s):
-        import json
         return json.loads((out / "metrics.json").read_text())
     return run_experiment(s, out, progress=False, placement_cache=cache).metrics
 
@@ -50,6 +52,16 @@ def find_capacity(spec: ExperimentSpec, router: str, results: Path = Path("resul
     root = results / "capacity" / f"{spec.name}-{spec.physics}" / router.replace(":", "_")
     cache = results / ".placements"
     cap = Capacity(router, 0.0)
+    _search(cap, spec, root, cache, lo, hi, rel_tol, target, log)
+    (root / "capacity.json").write_text(json.dumps(
+        {**asdict(cap), "sla_s": spec.sla_s, "target": target, "physics": spec.physics,
+         "spec": spec.name, "duration_s": spec.workload.duration_s, "lo": lo, "hi": hi}, indent=1))
+    return cap
+
+
+def _search(cap: Capacity, spec: ExperimentSpec, root: Path, cache: Path, lo: float, hi: float,
+            rel_tol: float, target: float, log) -> None:
+    router = cap.router
 
     def ok(rate: float) -> bool:
         m = _probe(spec, rate, root, cache)
@@ -60,13 +72,13 @@ def find_capacity(spec: ExperimentSpec, router: str, results: Path = Path("resul
         return sla >= target
 
     if not ok(lo):
-        return cap
+        return
     good, bad = lo, None
     while bad is None:
         nxt = good * 2
         if nxt > hi:
             cap.capacity_rps, cap.bounded = good, False
-            return cap
+            return
         if ok(nxt):
             good = nxt
         else:
@@ -78,4 +90,26 @@ def find_capacity(spec: ExperimentSpec, router: str, results: Path = Path("resul
         else:
             bad = mid
     cap.capacity_rps = good
-    return cap
+
+
+def read_capacities(results: Path, physics: str, sla_s: float) -> dict[str, dict]:
+    """Every capacity found under ``results/capacity`` in this world at this SLA, by
+    router (the newest search where several specs searched the same router)."""
+    found: dict[str, tuple[float, dict]] = {}
+    for f in (results / "capacity").glob("*/*/capacity.json"):
+        try:
+            c = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if c.get("physics") == physics and abs(float(c.get("sla_s", -1)) - sla_s) < 1e-12:
+            t = f.stat().st_mtime
+            if c["router"] not in found or t > found[c["router"]][0]:
+                found[c["router"]] = (t, c)
+    return {r: c for r, (_, c) in sorted(found.items())}
+
+
+def describe(c: dict) -> str:
+    """One phrase: the capacity in req/s, with its search's bounds."""
+    if not c["capacity_rps"]:
+        return f"0 ({c['lo']:g} req/s already misses)"
+    return f"{c['capacity_rps']:.3g} req/s" + ("" if c["bounded"] else f" or more ({c['hi']:g} met it)")

@@ -77,7 +77,9 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
             quiet: bool = typer.Option(False, help="no progress bar"),
             reference: bool = typer.Option(True, help="also run each router that declares its "
                                            "own regime (Router.own_regime) there, as a "
-                                           "reference row")) -> None:
+                                           "reference row"),
+            results: Path = typer.Option(Path("results"), help="results root whose capacity "
+                                         "searches (`testbed capacity`) are listed")) -> None:
     """Run the same spec under several routers and print one table."""
     from hetroute.routers import get_router
     from topologies import TopologyError
@@ -107,6 +109,13 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     for n, note in notes.items():
         if note:
             typer.echo(f"memory, {n}: {note}")
+    from .capacity import describe, read_capacities
+    caps = read_capacities(results, base.physics, base.sla_s)
+    for n in names:
+        if n in caps:
+            c = caps[n]
+            typer.echo(f"capacity, {n}: {describe(c)} with 90% within {base.sla_s * 1e3:g} ms "
+                       f"(`testbed capacity`, spec {c['spec']}, {c['duration_s']:g} s probes)")
 
 
 @app.command()
@@ -224,15 +233,16 @@ def capacity(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     """Highest load at which 90% of requests meet the SLA (simulator, cached runs)."""
     from topologies import TopologyError
 
-    from .capacity import find_capacity
+    from dataclasses import asdict
+
+    from .capacity import describe, find_capacity
     try:
         base = _load(spec, set_)
         for r in router:
             c = find_capacity(base, r, results, lo=lo, hi=hi, rel_tol=rel_tol,
                               log=lambda m: typer.echo(m, err=True))
-            bound = "" if c.bounded else f" (or more: {hi:g} req/s still met it)"
-            typer.echo(f"{r}: capacity {c.capacity_rps:.3g} req/s{bound}"
-                       if c.capacity_rps else f"{r}: capacity 0 ({lo:g} req/s already misses the SLA)")
+            typer.echo(f"{r}: capacity {describe({**asdict(c), 'lo': lo, 'hi': hi})} "
+                       f"(90% within {base.sla_s * 1e3:g} ms, physics {base.physics})")
     except (SpecError, TopologyError) as err:
         _fail(str(err))
 

@@ -74,6 +74,7 @@ class FigureSpec(BaseModel):
     restrict: list[Restriction] = Field(default_factory=list)
     panels: list[dict[str, Any]] = Field(default_factory=list)  # read by the plotting script
     claims: list[dict[str, Any]] = Field(default_factory=list)  # read by analysis/claims.py
+    capacity: bool = False  # the figure lists each router's capacity (`testbed capacity`)
 
 
 @dataclass(frozen=True)

@@ -187,3 +187,19 @@ def test_fidelity_table_converts_lateness_to_emulated_time_and_names_every_probl
     assert any("4 requests unfinished" in p and "(router.name = hetroute)" in p for p in problems) and any("3 packets" in p for p in problems)
     assert "**Fidelity problems:**" in "\n".join(_fidelity_lines(9, summarise(bad)))
     assert summarise(fidelity_table(FigureData(data.spec, "sim", "quick", pd.DataFrame(runs[2:]), [], 0))) is None
+
+
+def test_figures_with_capacity_list_their_routers_searched_at_their_sla(tmp_path):
+    from analysis.render import capacities, capacity_line
+
+    for router, sla in (("hetroute", 0.3), ("petals", 0.3), ("greedy", 0.3), ("prism", 1.0)):
+        d = tmp_path / "capacity" / "capacity-hardware" / router
+        d.mkdir(parents=True)
+        (d / "capacity.json").write_text(json.dumps(
+            {"router": router, "capacity_rps": 1.5, "bounded": True, "sla_s": sla, "lo": 1.0,
+             "hi": 320.0, "physics": "hardware", "spec": "capacity", "duration_s": 4.0}))
+    fig9 = load_figure(figure_path(9))
+    got = capacities(fig9, tmp_path, "hardware")
+    assert sorted(got) == ["hetroute", "petals"]  # greedy is not in Fig. 9; prism at 1 s
+    assert capacity_line(got, fig9).startswith("capacity (90% within 300 ms")
+    assert capacities(load_figure(figure_path(5)), tmp_path, "hardware") == {}  # not asked for
