@@ -203,3 +203,19 @@ def test_figures_with_capacity_list_their_routers_searched_at_their_sla(tmp_path
     assert sorted(got) == ["hetroute", "petals"]  # greedy is not in Fig. 9; prism at 1 s
     assert capacity_line(got, fig9).startswith("capacity (90% within 300 ms")
     assert capacities(load_figure(figure_path(5)), tmp_path, "hardware") == {}  # not asked for
+
+
+def test_line_figures_mark_points_that_are_not_a_steady_state():
+    import matplotlib.pyplot as plt
+
+    from analysis.plots import common as C
+
+    df = pd.DataFrame({"router.name": ["a", "a", "b", "b"], "workload.rate_per_s": [1, 10, 1, 10],
+                       "mean_ms": [1.0, 2.0, 3.0, 4.0], "unstable": [False, True, False, False],
+                       "window_x_latency": [3.0, 2.0, 1.5, 0.5]})
+    fig, ax = plt.subplots()
+    C.lines(ax, df, "mean_ms", "workload.rate_per_s", "t")
+    marks = [c.get_offsets().tolist() for c in ax.collections if len(c.get_offsets()) == 1]
+    assert [10.0, 2.0] in [m[0] for m in marks] and [10.0, 4.0] in [m[0] for m in marks]
+    assert "unstable" in ax.texts[0].get_text() and "window < latency" in ax.texts[0].get_text()
+    plt.close(fig)

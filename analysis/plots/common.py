@@ -89,16 +89,25 @@ def lines(ax, df: pd.DataFrame, metric: str, x: str, title: str, hue: str = "rou
 
 
 def mark_unstable(ax, df: pd.DataFrame, metric: str, x: str, hue: str) -> None:
-    """A black cross on every point at which some seed's queues grew over the run
-    (``metrics.unstable``): its mean says how long the run lasted, not a steady state."""
-    if "unstable" not in df or not df["unstable"].fillna(False).astype(bool).any():
-        return
+    """Marks points whose mean is not a steady state: a black cross where some seed's
+    queues grew over the run (``metrics.unstable``: its mean says how long the run
+    lasted), an open square where some seed's measured window was shorter than its mean
+    request latency (``metrics.window_x_latency`` < 1: decode runs at high load)."""
+    flags = (("unstable", lambda s: s.fillna(False).astype(bool), dict(marker="x", color="black"),
+              "x: unstable (queues grow)"),
+             ("window_x_latency", lambda s: s < 1.0,
+              dict(marker="s", facecolors="none", edgecolors="black"), "square: window < latency"))
     keys = [k for k in (hue, x) if k in df]
-    g = df.groupby(keys).agg(y=(metric, "mean"), bad=("unstable", lambda s: bool(s.fillna(False).any())))
-    g = g[g.bad].reset_index()
-    ax.scatter(g[x], g.y, marker="x", color="black", s=40, zorder=5, linewidths=1.2)
-    ax.text(0.01, 0.99, "x: unstable (queues grow)", transform=ax.transAxes, fontsize=6,
-            va="top", ha="left")
+    notes = []
+    for col, bad, style, note in flags:
+        if col not in df or not bad(df[col]).any():
+            continue
+        g = df.assign(_bad=bad(df[col])).groupby(keys).agg(y=(metric, "mean"), bad=("_bad", "any"))
+        g = g[g.bad].reset_index()
+        ax.scatter(g[x], g.y, s=40, zorder=5, linewidths=1.2, **style)
+        notes.append(note)
+    if notes:
+        ax.text(0.01, 0.99, "; ".join(notes), transform=ax.transAxes, fontsize=6, va="top", ha="left")
 
 
 def _log_if_spread(ax, values: pd.Series) -> None:
