@@ -10,6 +10,6 @@ def render(data: FigureData):
     panels = data.spec.panels
     fig, axes = C.grid(len(panels), data.spec.title)
     for i, (ax, p) in enumerate(zip(axes, panels)):
-        C.lines(ax, data.runs, p["metric"], p["x"], p["title"], legend="best" if i == 3 else None)
+        C.lines(ax, data.runs, p["metric"], p["x"], p["title"], legend="center right" if i == len(panels) - 1 else None)
     fig.tight_layout()
     return fig
