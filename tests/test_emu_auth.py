@@ -10,8 +10,8 @@ import socket
 import pytest
 
 from testbed.emu.transport import Transport
-from testbed.emu.wire import (ControlKind, FrameDecoder, auth_mac, bytes_frame, control_frame,
-                              encode_header, state_frame)
+from testbed.emu.wire import (Auth, Challenge, Frame, FrameDecoder, Ping, State, auth_mac,
+                              encode_header)
 
 SECRET = b"s" * 32
 
@@ -20,6 +20,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _state(src: int, backlog_s: float) -> Frame:
+    return Frame(State(src, window=1, opened_at=0.0, t_send=0.0, backlog_s=backlog_s,
+                       alive=(True, True)))
 
 
 def _bytes(frame) -> bytes:
@@ -49,8 +54,8 @@ async def _intruder(port: int, answer, source: str = "127.0.0.1") -> None:
     frames = []
     while not frames:
         frames = dec.feed(await r.read(4096))
-    assert frames[0].header.kind == ControlKind.CHALLENGE
-    w.write(answer(bytes(frames[0].payload)))
+    assert isinstance(frames[0].msg, Challenge)
+    w.write(answer(frames[0].msg.nonce))
     await w.drain()
     await asyncio.sleep(0.05)
     w.close()
@@ -62,14 +67,14 @@ def _run(coro):
 
 
 @pytest.mark.parametrize("name, answer, source", [
-    ("PING naming rank 1 (the old handshake)", lambda n: _bytes(control_frame(ControlKind.PING, 1)), "127.0.0.1"),
+    ("PING naming rank 1 (the old handshake)", lambda n: _bytes(Frame(Ping(1, 0, 0.0))), "127.0.0.1"),
     ("garbage", lambda n: b"\x00" * 200, "127.0.0.1"),
     ("AUTH for rank 1 under a guessed secret",
-     lambda n: _bytes(bytes_frame(ControlKind.AUTH, 1, auth_mac(b"g" * 32, n, 1, 0))), "127.0.0.1"),
+     lambda n: _bytes(Frame(Auth(1, auth_mac(b"g" * 32, n, 1, 0)))), "127.0.0.1"),
     ("AUTH replayed for another nonce",
-     lambda n: _bytes(bytes_frame(ControlKind.AUTH, 1, auth_mac(SECRET, b"\x01" * 16, 1, 0))), "127.0.0.1"),
+     lambda n: _bytes(Frame(Auth(1, auth_mac(SECRET, b"\x01" * 16, 1, 0)))), "127.0.0.1"),
     ("the right AUTH from another address (a leaked secret)",
-     lambda n: _bytes(bytes_frame(ControlKind.AUTH, 1, auth_mac(SECRET, n, 1, 0))), "127.0.0.2"),
+     lambda n: _bytes(Frame(Auth(1, auth_mac(SECRET, n, 1, 0)))), "127.0.0.2"),
 ])
 def test_an_impersonator_changes_no_peer_state(name, answer, source):
     async def main():
@@ -77,11 +82,11 @@ def test_an_impersonator_changes_no_peer_state(name, answer, source):
         await pair.start()
         await _intruder(pair.ports[0], answer, source)
         # the real peer still reaches worker 0, and nobody was marked lost
-        pair.t[1].send(0, state_frame([0.5, 0.0], [True, True], 1, 1, 0.0, 0.0))
+        pair.t[1].send(0, _state(src=1, backlog_s=0.5))
         await asyncio.sleep(0.1)
         assert pair.lost == {0: [], 1: []}, name
         assert pair.t[0].auth_failures == 1
-        assert [f.header.kind for f in pair.got[0]] == [ControlKind.STATE]
+        assert [type(f.msg) for f in pair.got[0]] == [State]
         for t in pair.t:
             t.close()
     _run(main())
@@ -91,10 +96,10 @@ def test_a_proven_peer_cannot_speak_for_another_rank():
     async def main():
         pair = Pair()
         await pair.start()
-        pair.t[1].send(0, state_frame([0.1, 0.0], [True, True], 5, 1, 0.0, 0.0))  # claims rank 5
-        pair.t[1].send(0, state_frame([0.2, 0.0], [True, True], 1, 1, 0.0, 0.0))
+        pair.t[1].send(0, _state(src=5, backlog_s=0.1))  # claims rank 5
+        pair.t[1].send(0, _state(src=1, backlog_s=0.2))
         await asyncio.sleep(0.1)
-        assert [f.header.src for f in pair.got[0]] == [1] and pair.t[0].spoofed_frames == 1
+        assert [f.msg.src for f in pair.got[0]] == [1] and pair.t[0].spoofed_frames == 1
         assert pair.t[0].auth_failures == 0 and pair.lost == {0: [], 1: []}
         for t in pair.t:
             t.close()

@@ -16,55 +16,80 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed.emu import wire as w
-from testbed.emu.wire import (HEADER_SIZE, ControlKind, DType, Flag, Frame, FrameDecoder, Header,
-                              MsgType, WireError)
+from testbed.emu.wire import (ENVELOPE_SIZE, DType, Frame, FrameDecoder, Hidden, Partial, Pick, Ping,
+                              Pong, Ran, Shutdown, State, Token, WireError)
 
 LIMIT = 64 * 1024
 
+_u8 = st.integers(0, 0xFF)
 _u16 = st.integers(0, 0xFFFF)
+_u32 = st.integers(0, 2**32 - 1)
+_u64 = st.integers(0, 2**64 - 1)
 _i32 = st.integers(-2**31, 2**31 - 1)
+_i64 = st.integers(-2**63, 2**63 - 1)
 _fin = st.floats(allow_nan=False, allow_infinity=False, width=64)
+_lam = st.floats(0, 1e300)
 _float_dtypes = st.sampled_from([torch.float16, torch.bfloat16, torch.float32])
+_ctx = st.lists(_i32, max_size=40).map(tuple)
 
 
 @st.composite
-def data_frames(draw: st.DrawFn) -> Frame:
-    mtype = draw(st.sampled_from([MsgType.HIDDEN, MsgType.PARTIAL, MsgType.TOKEN]))
+def _tensor(draw: st.DrawFn) -> torch.Tensor:
     dtype = draw(_float_dtypes)
     shape = draw(st.lists(st.integers(0, 9), min_size=1, max_size=w.MAX_DIMS))
-    n = math.prod(shape)
-    raw = draw(st.binary(min_size=n * torch.empty(0, dtype=dtype).element_size(),
-                         max_size=n * torch.empty(0, dtype=dtype).element_size()))
-    t = torch.frombuffer(bytearray(raw), dtype=dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
-    h = Header(mtype, flags=draw(st.sampled_from([0, Flag.FINAL])),
-               mode=draw(st.integers(0, 255)), part=draw(st.integers(0, 255)),
-               n_parts=draw(st.integers(0, 255)), request=draw(st.integers(0, 2**64 - 1)),
-               seq=draw(st.integers(0, 2**64 - 1)), token=draw(st.integers(0, 2**32 - 1)),
-               layer=draw(_u16), src=draw(_u16), home=draw(_u16), residing=draw(_u16),
-               aggregator=draw(_u16), target=draw(_i32), expert=draw(_i32), replica=draw(_i32),
-               gate=draw(_fin), lam_acc=draw(st.floats(0, 1e300)), t_origin=draw(_fin),
-               t_send=draw(_fin), ctx=tuple(draw(st.lists(_i32, max_size=w.MAX_CTX))))
-    pad = draw(st.integers(0, 300))
-    return w.tensor_frame(h, t, pad_to=len(raw) + pad)
+    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    raw = draw(st.binary(min_size=n, max_size=n))
+    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape) if n else torch.empty(shape, dtype=dtype)
 
 
 @st.composite
-def control_frames(draw: st.DrawFn) -> Frame:
-    kind = draw(st.sampled_from(list(ControlKind)[1:]))
-    if kind in (ControlKind.CHALLENGE, ControlKind.AUTH):
-        n = w.NONCE_BYTES if kind == ControlKind.CHALLENGE else 32
-        return w.bytes_frame(kind, draw(_u16), draw(st.binary(min_size=n, max_size=n)))
-    if kind == ControlKind.STATE:
-        n = draw(st.integers(1, 12))
-        return w.state_frame(draw(st.lists(st.floats(0, 1e3), min_size=n, max_size=n)),
-                             draw(st.lists(st.booleans(), min_size=n, max_size=n)),
-                             src=draw(_u16), window=draw(st.integers(0, 2**40)),
-                             opened_at=draw(_fin), t_send=draw(_fin))
-    return w.control_frame(kind, src=draw(_u16), t_send=draw(_fin), t_origin=draw(_fin),
-                           seq=draw(st.integers(0, 2**64 - 1)))
+def hidden_msgs(draw: st.DrawFn) -> Hidden:
+    picks = draw(st.lists(st.builds(Pick, _u32, _u32, st.integers(0, 2)), min_size=1, max_size=12))
+    return Hidden(draw(_u16), draw(_u64), draw(_u32), draw(_u16), draw(_u64), draw(_u8), draw(_u16),
+                  draw(_u16), draw(st.integers(1, len(picks))), draw(_lam), draw(_fin), draw(_fin),
+                  draw(_i64), draw(_i64), draw(_i64), tuple(picks), draw(_ctx))
 
 
-any_frame = st.one_of(data_frames(), control_frames())
+@st.composite
+def partial_msgs(draw: st.DrawFn) -> Partial:
+    pos = sorted(draw(st.sets(_u16, min_size=1, max_size=12)))
+    ran = tuple(Ran(p, draw(st.booleans())) for p in pos)
+    return Partial(draw(_u16), draw(_u64), draw(_u32), draw(_u16), draw(_u64), draw(_fin),
+                   draw(_fin), ran)
+
+
+token_msgs = st.builds(Token, _u16, _u64, _u32, _u16, _u64, _u16, _lam, st.booleans(), _ctx)
+
+
+@st.composite
+def data_frames(draw: st.DrawFn, msgs: st.SearchStrategy | None = None) -> Frame:
+    m = draw(msgs if msgs is not None else st.one_of(hidden_msgs(), partial_msgs(), token_msgs))
+    t = draw(_tensor())
+    n = t.numel() * t.element_size()
+    return w.tensor_frame(m, t, pad_to=n + draw(st.integers(0, 300)))
+
+
+@st.composite
+def state_msgs(draw: st.DrawFn) -> State:
+    n = draw(st.integers(1, 12))
+    received = draw(st.one_of(st.just(()), st.lists(_u64, min_size=n, max_size=n).map(tuple)))
+    return State(draw(_u16), draw(_u64), draw(_fin), draw(_fin), draw(_fin),
+                 tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n))), received)
+
+
+_control = {
+    "state": state_msgs(),
+    "fail": st.builds(w.fail, _u16, _u16, _u64, _u32, st.text(max_size=120)),
+    "shutdown": st.builds(Shutdown, _u16),
+    "ping": st.builds(Ping, _u16, _u64, _fin),
+    "pong": st.builds(Pong, _u16, _u64, _fin, _fin),
+    "challenge": st.builds(w.Challenge, _u16, st.binary(min_size=w.NONCE_BYTES, max_size=w.NONCE_BYTES)),
+    "auth": st.builds(w.Auth, _u16, st.binary(min_size=w.MAC_BYTES, max_size=w.MAC_BYTES)),
+}
+control_frames = st.one_of(*_control.values()).map(Frame)
+any_frame = st.one_of(data_frames(), control_frames)
+_BY_TYPE = {"hidden": data_frames(hidden_msgs()), "partial": data_frames(partial_msgs()),
+            "token": data_frames(token_msgs), **{k: v.map(Frame) for k, v in _control.items()}}
 
 
 def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -88,27 +113,56 @@ def test_valid_frames_round_trip_exactly_in_any_chunking(frames: list[Frame], cu
         got += dec.feed(chunk)
     assert len(got) == len(frames) and dec.buffered == 0 and not dec.mid_frame
     for a, b in zip(frames, got):
-        assert a.same_as(b), (a.header, b.header)
-        if a.header.dtype != DType.NONE:
+        assert a.same_as(b), (a.msg, b.msg)
+        if isinstance(a.msg, w.TENSOR_MESSAGES):
             x, y = a.tensor(), b.tensor()
             assert x.dtype == y.dtype and x.shape == y.shape
             assert bytes(w.tensor_bytes(x)) == bytes(w.tensor_bytes(y))  # bitwise, NaNs included
 
 
+@pytest.mark.parametrize("kind", sorted(_BY_TYPE))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_each_message_type_round_trips_with_every_field(kind: str, data: st.DataObject) -> None:
+    frame = data.draw(_BY_TYPE[kind])
+    got = w.decode(w.encode(frame, LIMIT), LIMIT)
+    assert type(got.msg) is type(frame.msg) and got.same_as(frame)
+    assert w.encode(got, LIMIT) == w.encode(frame, LIMIT)  # canonical
+
+
+def test_every_message_class_has_a_kind_and_a_round_trip_test() -> None:
+    assert {c.__name__.lower() for c in w._KIND_OF} == set(_BY_TYPE)
+    assert sorted(w._KIND_OF.values()) == list(w.Kind)
+
+
 def test_state_ping_pong_helpers() -> None:
-    f = w.decode(w.encode(w.state_frame([0.5, 0.0, 2.25], [True, False, True], src=2,
-                                        window=7, opened_at=3.5)))
-    assert f.header.seq == 7 and f.header.t_origin == 3.5 and f.header.src == 2
-    assert w.parse_state(f) == ([0.5, 0.0, 2.25], [True, False, True])
-    ping = w.control_frame(ControlKind.PING, src=1, t_send=12.5, seq=3)
-    pong = w.decode(w.encode(w.pong_for(w.decode(w.encode(ping)), src=4, t_send=13.0)))
-    assert pong.header.kind == ControlKind.PONG and pong.header.t_origin == 12.5
-    assert pong.header.seq == 3 and pong.header.src == 4
+    f = w.decode(w.encode(Frame(State(2, 7, 3.5, 4.0, 0.5, (True, False, True), (3, 0, 9)))))
+    assert f.msg.window == 7 and f.msg.opened_at == 3.5 and f.msg.src == 2
+    assert f.msg.backlog_s == 0.5 and f.msg.alive == (True, False, True) and f.msg.received == (3, 0, 9)
+    ping = Ping(1, seq=3, t_send=12.5)
+    pong = w.decode(w.encode(Frame(w.pong_for(w.decode(w.encode(Frame(ping))).msg, src=4, t_send=13.0))))
+    assert isinstance(pong.msg, Pong) and pong.msg.t_ping == 12.5
+    assert pong.msg.seq == 3 and pong.msg.src == 4 and pong.msg.t_send == 13.0
+
+
+def test_fail_reason_is_cut_at_a_character_boundary() -> None:
+    m = w.fail(1, 0, 5, 6, "é" * 200)  # 400 bytes of UTF-8
+    assert m.reason == "é" * (w.MAX_REASON // 2)
+    assert w.decode(w.encode(Frame(m))).msg == m
+    with pytest.raises(WireError, match="reason longer"):
+        w.encode(Frame(w.Fail(1, 0, 5, 6, "x" * (w.MAX_REASON + 1))))
+
+
+def test_a_partial_names_its_positions_beyond_eight() -> None:
+    """No bitmask clipped to 255: a top-k of 200 keeps every position and tier."""
+    ran = tuple(Ran(j, j % 3 == 0) for j in range(0, 400, 2))
+    f = w.tensor_frame(Partial(1, 2, 3, 4, 5, 0.5, 0.75, ran), torch.ones(4))
+    assert w.decode(w.encode(f)).msg.ran == ran
 
 
 def test_payload_is_zero_copy_on_both_ends() -> None:
     t = torch.arange(12, dtype=torch.float32).view(3, 4)
-    f = w.tensor_frame(Header(MsgType.HIDDEN), t)
+    f = w.tensor_frame(_token(), t)
     t[0, 0] = 42.0  # the frame views the tensor's memory
     assert torch.frombuffer(bytearray(f.payload), dtype=torch.float32)[0] == 42.0
     g = w.decode(w.encode(f))
@@ -117,15 +171,27 @@ def test_payload_is_zero_copy_on_both_ends() -> None:
     assert torch.frombuffer(g.payload, dtype=torch.float32)[5] == -1.0
 
 
-def test_header_size_is_fixed_and_small() -> None:
-    assert HEADER_SIZE == struct.calcsize(w._FMT) == w.field_offset("pad_len") + 4
-    assert HEADER_SIZE <= 160
+def test_envelope_is_fixed_and_small() -> None:
+    assert ENVELOPE_SIZE == struct.calcsize("<4sBBHII") == w.field_offset(None, "pad_len") + 4
+    assert len(w.encode(Frame(Ping(1, 2, 3.0)))) <= 48
 
 
 # -- strict validation ----------------------------------------------------------------
 
+def _token(**kw) -> Token:
+    base = dict(src=1, request=2, token=3, layer=4, seq=5, home=0, lam_acc=0.01, final=False)
+    return Token(**{**base, **kw})
+
+
+def _hidden(**kw) -> Hidden:
+    base = dict(src=1, request=2, token=3, layer=4, seq=5, retries=0, home=0, aggregator=2,
+                n_participants=1, lam_acc=0.01, t_layer=1.0, t_dispatch=1.5, view_age_us=10,
+                backlog_err_us=-3, decision_us=7, assignment=(Pick(9, 4, 0),), router_ctx=(1, 2))
+    return Hidden(**{**base, **kw})
+
+
 def _valid() -> bytes:
-    return w.encode(w.tensor_frame(Header(MsgType.HIDDEN, lam_acc=0.01), torch.ones(2, 8)))
+    return w.encode(w.tensor_frame(_hidden(), torch.ones(2, 8)))
 
 
 def _patch(data: bytes, offset: int, fmt: str, value: object) -> bytes:
@@ -134,24 +200,58 @@ def _patch(data: bytes, offset: int, fmt: str, value: object) -> bytes:
     return bytes(b)
 
 
-@pytest.mark.parametrize("field,fmt,value,msg", [
-    ("version", "B", 9, "version"),
-    ("mtype", "B", 99, "enum"),
-    ("kind", "B", ControlKind.PING, "control kind"),
-    ("flags", "H", 0x80, "flag"),
-    ("dtype", "B", DType.INT64, "floating"),
-    ("dtype", "B", 200, "enum"),
-    ("ndim", "B", 7, "dims"),
-    ("n_ctx", "B", w.MAX_CTX + 1, "context"),
-    ("lam_acc", "d", float("nan"), "finite"),
-    ("lam_acc", "d", -1.0, "lam_acc"),
-    ("gate", "d", float("inf"), "finite"),
-    ("reserved", "B", 1, "reserved"),
+@pytest.mark.parametrize("cls,field,fmt,value,msg", [
+    (None, "version", "B", 9, "version"),
+    (None, "kind", "B", 99, "kind"),
+    (None, "kind", "B", w.Kind.PING, "after the PING fields|carries no payload"),
+    (None, "meta_len", "H", 7, "truncated"),
+    (Hidden, "dtype", "B", DType.NONE, "float tensor"),
+    (Hidden, "dtype", "B", 200, "dtype"),
+    (Hidden, "n_participants", "H", 0, "n_participants"),
+    (Hidden, "n_participants", "H", 2, "n_participants"),
+    (Hidden, "lam_acc", "d", float("nan"), "finite"),
+    (Hidden, "lam_acc", "d", -1.0, "lam_acc"),
+    (Hidden, "t_dispatch", "d", float("inf"), "finite"),
 ])
-def test_each_corrupted_field_is_a_wire_error(field: str, fmt: str, value: object, msg: str) -> None:
-    bad = _patch(_valid(), w.field_offset(field), fmt, value)
+def test_each_corrupted_field_is_a_wire_error(cls, field: str, fmt: str, value: object, msg: str) -> None:
+    bad = _patch(_valid(), w.field_offset(cls, field), fmt, value)
     with pytest.raises(WireError, match=msg):
         w.decode(bad)
+
+
+def test_out_of_range_values_in_lists_and_flags_are_rejected() -> None:
+    data = w.encode(w.tensor_frame(_token(final=True), torch.ones(2)))
+    with pytest.raises(WireError, match="final must be 0 or 1"):
+        w.decode(_patch(data, w.field_offset(Token, "final"), "B", 2))
+    ok = w.encode(w.tensor_frame(_hidden(), torch.ones(2)))
+    mode_at = ok.index(struct.pack("<IIB", 9, 4, 0)) + 8  # the one pick's mode byte
+    with pytest.raises(WireError, match="unknown mode 7"):
+        w.decode(_patch(ok, mode_at, "B", 7))
+    st_ok = w.encode(Frame(State(1, 2, 0.0, 0.0, 0.0, (True, False))))
+    with pytest.raises(WireError, match="alive flags"):
+        w.decode(st_ok[:-3] + b"\x05" + st_ok[-2:])  # alive[1] = 5, then received's count
+
+
+@pytest.mark.parametrize("frame,msg", [
+    (lambda: w.tensor_frame(_token(layer=70000), torch.ones(1)), "out of range"),
+    (lambda: w.tensor_frame(_token(src=-1), torch.ones(1)), "out of range"),
+    (lambda: w.tensor_frame(_hidden(retries=256), torch.ones(1)), "out of range"),
+    (lambda: w.tensor_frame(_hidden(assignment=(Pick(-1, 0, 0),)), torch.ones(1)), "out of range"),
+    (lambda: w.tensor_frame(_hidden(assignment=(Pick(1, 0, 9),)), torch.ones(1)), "unknown mode"),
+    (lambda: w.tensor_frame(_hidden(router_ctx=(2**31,)), torch.ones(1)), "out of range"),
+    (lambda: w.tensor_frame(_hidden(router_ctx=(0,) * (w.MAX_ROUTER_CTX + 1)), torch.ones(1)),
+     "at most"),
+    (lambda: w.tensor_frame(_hidden(n_participants=2), torch.ones(1)), "n_participants"),
+    (lambda: w.tensor_frame(Partial(1, 2, 3, 4, 5, 0.0, 0.0, (Ran(2, True), Ran(1, False))),
+                            torch.ones(1)), "increasing"),
+    (lambda: Frame(State(1, 2, 0.0, 0.0, 0.0, (True,) * (w.MAX_SERVERS + 1))), "at most"),
+    (lambda: Frame(State(1, 2, 0.0, 0.0, 0.0, (True, True), (1,))), "one entry per server"),
+    (lambda: Frame(w.Challenge(1, b"short")), "nonce"),
+    (lambda: Frame(Ping(1, 2**64, 0.0)), "out of range"),
+])
+def test_a_field_out_of_range_is_rejected_by_the_encoder(frame, msg: str) -> None:
+    with pytest.raises(WireError, match=msg):
+        w.encode(frame())
 
 
 def test_bad_magic_length_mismatch_and_padding_are_rejected() -> None:
@@ -159,8 +259,8 @@ def test_bad_magic_length_mismatch_and_padding_are_rejected() -> None:
     with pytest.raises(WireError, match="magic"):
         w.decode(b"XXXX" + data[4:])
     with pytest.raises(WireError, match="does not match"):
-        w.decode(_patch(data, w.field_offset("payload_len"), "Q", 60))
-    padded = w.encode(w.tensor_frame(Header(MsgType.HIDDEN), torch.ones(2), pad_to=100))
+        w.decode(_patch(data, w.field_offset(None, "payload_len"), "I", 60))
+    padded = w.encode(w.tensor_frame(_token(), torch.ones(2), pad_to=100))
     with pytest.raises(WireError, match="padding"):
         w.decode(padded[:-1] + b"\x01")
     with pytest.raises(WireError, match="extra"):
@@ -168,30 +268,28 @@ def test_bad_magic_length_mismatch_and_padding_are_rejected() -> None:
 
 
 def test_encoder_refuses_what_the_decoder_would_refuse() -> None:
-    with pytest.raises(WireError, match="floating"):
-        w.encode(Frame(Header(MsgType.HIDDEN)))
+    with pytest.raises(WireError, match="float tensor"):
+        w.encode(Frame(_hidden()))
     with pytest.raises(WireError, match="payload has"):
-        w.encode(Frame(Header(MsgType.HIDDEN, dtype=DType.FLOAT32, shape=(2,)), b"\x00" * 4))
-    with pytest.raises(WireError, match="out of range"):
-        w.encode(w.tensor_frame(Header(MsgType.HIDDEN, layer=70000), torch.ones(1)))
+        w.encode(Frame(_hidden(dtype=DType.FLOAT32, shape=(2,)), b"\x00" * 4))
     with pytest.raises(WireError, match="exceeds"):
-        w.encode(w.tensor_frame(Header(MsgType.HIDDEN), torch.ones(100)), max_payload=399)
+        w.encode(w.tensor_frame(_token(), torch.ones(100)), max_payload=399)
     with pytest.raises(WireError, match="dims"):
-        w.tensor_frame(Header(MsgType.HIDDEN), torch.ones(1, 1, 1, 1, 1))
+        w.tensor_frame(_token(), torch.ones(1, 1, 1, 1, 1))
     with pytest.raises(WireError, match="no payload"):
-        w.encode(w.tensor_frame(Header(MsgType.CONTROL, kind=ControlKind.PING), torch.ones(1)))
-    # an ERROR partial may come without a payload
-    assert w.decode(w.encode(Frame(Header(MsgType.PARTIAL, flags=Flag.ERROR)))).header.flags == Flag.ERROR
+        w.encode(Frame(Ping(1, 0, 0.0), b"", pad_len=4))
+    with pytest.raises(WireError, match="not supported"):
+        w.tensor_frame(_token(), torch.ones(2, dtype=torch.int64))
 
 
-def test_oversized_frame_fails_on_its_header_without_allocating() -> None:
-    big = w.tensor_frame(Header(MsgType.HIDDEN), torch.ones(LIMIT // 4 + 1))
+def test_oversized_frame_fails_on_its_envelope_without_allocating() -> None:
+    big = w.tensor_frame(_token(), torch.ones(LIMIT // 4 + 1))
     head = w.encode_header(big, max_payload=2 * LIMIT)
     dec = FrameDecoder(LIMIT)
     tracemalloc.start()
     try:
         with pytest.raises(WireError, match="exceeds"):
-            dec.feed(head)
+            dec.feed(head[:ENVELOPE_SIZE])
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -201,12 +299,13 @@ def test_oversized_frame_fails_on_its_header_without_allocating() -> None:
 
 
 def test_announced_payload_is_not_preallocated_by_the_incremental_decoder() -> None:
-    f = w.tensor_frame(Header(MsgType.HIDDEN), torch.ones(LIMIT // 4))
+    f = w.tensor_frame(_token(), torch.ones(LIMIT // 4))
     data = w.encode(f, max_payload=LIMIT)
+    head = len(w.encode_header(f, LIMIT))
     dec = FrameDecoder(LIMIT)
     tracemalloc.start()
     try:
-        assert dec.feed(data[:HEADER_SIZE + 10]) == []
+        assert dec.feed(data[:head + 10]) == []
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -219,8 +318,8 @@ def _feed_all(dec: FrameDecoder, chunks: list[bytes]) -> list[Frame]:
     out: list[Frame] = []
     for c in chunks:
         out += dec.feed(c)
-        # at rest: a partial header, or part of one validated frame body
-        assert dec.buffered <= max(HEADER_SIZE, dec.max_payload)
+        # at rest: a partial envelope, part of one message's fields, or of one validated body
+        assert dec.buffered <= max(ENVELOPE_SIZE, w.MAX_META, dec.max_payload)
     return out
 
 
@@ -274,8 +373,8 @@ def test_blocking_send_and_recv_over_a_socket() -> None:
     a, b = socket.socketpair()
     with a, b:
         big = torch.randn(300, 256)  # 300 KiB: many partial sends and receives
-        frames = [w.tensor_frame(Header(MsgType.TOKEN, token=5), big, pad_to=400 * 1024),
-                  w.control_frame(ControlKind.SHUTDOWN, src=1)]
+        frames = [w.tensor_frame(_token(token=5, final=True), big, pad_to=400 * 1024),
+                  Frame(Shutdown(1))]
         sender = threading.Thread(target=lambda: [w.send_frame(a, f, 2**20) for f in frames])
         sender.start()
         got = [w.recv_frame(b, 2**20), w.recv_frame(b, 2**20)]
@@ -284,7 +383,7 @@ def test_blocking_send_and_recv_over_a_socket() -> None:
         assert w.recv_frame(b, 2**20) is None  # clean EOF between frames
     assert got[0] is not None and got[0].same_as(frames[0])
     assert torch.equal(got[0].tensor(), big) and got[1] is not None
-    assert got[1].header.kind == ControlKind.SHUTDOWN
+    assert got[1].msg == Shutdown(1)
 
 
 def test_recv_frame_raises_on_eof_mid_frame_and_on_oversize() -> None:
@@ -329,9 +428,9 @@ class _EchoServer:
                         self._close(conn)
                         continue
                     for f in dec.feed(data):
-                        if f.header.kind == ControlKind.PING:
+                        if isinstance(f.msg, Ping):
                             conn.setblocking(True)
-                            w.send_frame(conn, w.pong_for(f, src=0))
+                            w.send_frame(conn, Frame(w.pong_for(f.msg, src=0)))
                             conn.setblocking(False)
                             self.pongs += 1
                 except WireError:
@@ -354,16 +453,16 @@ def test_garbage_from_one_client_closes_only_that_connection() -> None:
         bad = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
         with good, bad:
             def ping(seq: int) -> Frame | None:
-                w.send_frame(good, w.control_frame(ControlKind.PING, src=1, t_send=float(seq), seq=seq))
+                w.send_frame(good, Frame(Ping(1, seq=seq, t_send=float(seq))))
                 return w.recv_frame(good)
 
-            assert (p := ping(1)) is not None and p.header.seq == 1
+            assert (p := ping(1)) is not None and p.msg.seq == 1
             bad.sendall(b"GET / HTTP/1.1\r\n" + bytes(range(256)) * 2)
             assert bad.recv(100) == b""  # the server closed the garbage connection
             for seq in range(2, 6):  # ... and keeps serving the other one
                 p = ping(seq)
-                assert p is not None and p.header.kind == ControlKind.PONG
-                assert p.header.seq == seq and p.header.t_origin == float(seq)
+                assert p is not None and isinstance(p.msg, Pong)
+                assert p.msg.seq == seq and p.msg.t_ping == float(seq)
     finally:
         srv.stop.set()
         srv.thread.join(5)

@@ -45,9 +45,12 @@ from .hosts.readback import cgroup_quota, tc_classes, tc_qdiscs
 from .stream import ModeledStream, Work
 from .tolerances import CPU_SATURATED_PCT
 from .transport import precise_loop
-from .wire import HEADER_SIZE
+from .wire import Frame, Ping, Pong, encode
 
 PORT = 47100
+#: bytes of one RTT probe each way (i pings, j answers), serialised at the link rate
+PING_BYTES = len(encode(Frame(Ping(0, 0, 0.0))))
+PONG_BYTES = len(encode(Frame(Pong(0, 0, 0.0, 0.0))))
 BW_TOL = (0.95, 1.02)
 RTT_ABS, RTT_REL = 0.2e-3, 0.03
 SVC_REL = 0.05
@@ -242,7 +245,8 @@ def run_fidelity(cluster: Cluster, shape: MoEShape, T: float, mechanism: str = "
         all_rtts = measure_rtts(net, pair_list, rtt_count)
         for (i, j) in pair_list:
             rtts = all_rtts[(i, j)]
-            ser = sum(HEADER_SIZE * 8 / net.ends[e].rate_bit for e in ((i, j), (j, i)))
+            ser = sum(size * 8 / net.ends[e].rate_bit for e, size in (((i, j), PING_BYTES),
+                                                                       ((j, i), PONG_BYTES)))
             target = (net.ends[(i, j)].delay_s + net.ends[(j, i)].delay_s + ser) / T  # emulated
             if isinstance(rtts, ProbeFailed) or not rtts:
                 rows.append(Row("rtt", f"{cluster.names[i]}<->{cluster.names[j]}", target * 1e3,

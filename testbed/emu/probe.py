@@ -55,14 +55,14 @@ def _transport_pair(rank: int, peer: int, addr: str | None, port: int, delay: fl
 
 def pong(rank: int, peer: int, peer_addr: str, port: int, delay: float, n: int) -> None:
     from .transport import Transport, precise_loop
-    from .wire import ControlKind, Frame, pong_for
+    from .wire import Frame, Ping, pong_for
     loop = precise_loop()
     asyncio.set_event_loop(loop)
     tr: Transport
 
     def on_frame(f: Frame, arrival: float) -> None:
-        if f.header.kind == ControlKind.PING:
-            tr.send(peer, pong_for(f, rank, time.monotonic()))
+        if isinstance(f.msg, Ping):
+            tr.send(peer, Frame(pong_for(f.msg, rank, time.monotonic())))
     tr = _transport_pair(rank, peer, peer_addr, port, delay, n, on_frame)
     loop.run_until_complete(tr.start())
     print("READY", flush=True)
@@ -71,15 +71,15 @@ def pong(rank: int, peer: int, peer_addr: str, port: int, delay: float, n: int) 
 
 def ping(rank: int, peer: int, addr: str, port: int, delay: float, n: int, count: int) -> None:
     from .transport import precise_loop
-    from .wire import ControlKind, Frame, control_frame
+    from .wire import Frame, Ping, Pong
     loop = precise_loop()
     asyncio.set_event_loop(loop)
     rtts: list[float] = []
     got = asyncio.Event()
 
     def on_frame(f: Frame, arrival: float) -> None:
-        if f.header.kind == ControlKind.PONG:
-            rtts.append(arrival - f.header.t_origin)
+        if isinstance(f.msg, Pong):
+            rtts.append(arrival - f.msg.t_ping)
             got.set()
     tr = _transport_pair(rank, peer, addr, port, delay, n, on_frame)
 
@@ -87,7 +87,7 @@ def ping(rank: int, peer: int, addr: str, port: int, delay: float, n: int, count
         await tr.start()
         for i in range(count + 1):  # the first exchange warms the connection up
             got.clear()
-            tr.send(peer, control_frame(ControlKind.PING, rank, t_send=time.monotonic(), seq=i))
+            tr.send(peer, Frame(Ping(rank, i, time.monotonic())))
             await asyncio.wait_for(got.wait(), timeout=60)
         print(json.dumps(rtts[1:]), flush=True)
     loop.run_until_complete(go())

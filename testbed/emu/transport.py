@@ -34,8 +34,8 @@ import selectors
 import time
 from typing import Callable
 
-from .wire import (DEFAULT_MAX_PAYLOAD, NONCE_BYTES, ControlKind, Frame, FrameDecoder, MsgType,
-                   WireError, auth_mac, bytes_frame, control_frame, encode_header)
+from .wire import (DEFAULT_MAX_PAYLOAD, NONCE_BYTES, Auth, Challenge, Frame, FrameDecoder, Pong,
+                   WireError, auth_mac, encode_header)
 
 OnFrame = Callable[[Frame, float], None]  # (frame, arrival monotonic time)
 
@@ -65,7 +65,7 @@ class _Inbound(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
-        self.owner._write(transport, bytes_frame(ControlKind.CHALLENGE, self.owner.rank, self.nonce))
+        self.owner._write(transport, Frame(Challenge(self.owner.rank, self.nonce)))
 
     def _refuse(self, why: str) -> None:
         self.owner.auth_failures += 1
@@ -75,15 +75,15 @@ class _Inbound(asyncio.Protocol):
             self.transport.close()
 
     def _authenticate(self, f: Frame) -> bool:
-        h, o = f.header, self.owner
-        if h.mtype != MsgType.CONTROL or h.kind != ControlKind.AUTH:
+        m, o = f.msg, self.owner
+        if not isinstance(m, Auth):
             self._refuse("first frame is not AUTH")
             return False
-        claimed = int(h.src)
+        claimed = m.src
         if claimed == o.rank or claimed not in o.peers:
             self._refuse(f"claims rank {claimed}, not a peer")
             return False
-        if not hmac.compare_digest(bytes(f.payload), auth_mac(o.secret, self.nonce, claimed, o.rank)):
+        if not hmac.compare_digest(m.mac, auth_mac(o.secret, self.nonce, claimed, o.rank)):
             self._refuse(f"wrong AUTH for rank {claimed}")
             return False
         peer = self.transport.get_extra_info("peername") if self.transport else None
@@ -93,7 +93,7 @@ class _Inbound(asyncio.Protocol):
             return False
         self.src = claimed
         assert self.transport is not None
-        self.owner._write(self.transport, control_frame(ControlKind.PONG, o.rank))  # accepted
+        self.owner._write(self.transport, Frame(Pong(o.rank, 0, 0.0)))  # accepted
         return True
 
     def data_received(self, data: bytes) -> None:
@@ -114,7 +114,7 @@ class _Inbound(asyncio.Protocol):
                 if not self._authenticate(f):
                     return
                 continue
-            if f.header.src != self.src:  # a proven peer speaking for another: dropped
+            if f.msg.src != self.src:  # a proven peer speaking for another: dropped
                 self.owner.spoofed_frames += 1
                 continue
             self.owner.deliver(f, self.src, arrival)
@@ -245,14 +245,14 @@ class _Outbound(asyncio.Protocol):
             return
         for f in frames:
             if not self.answered:
-                if f.header.kind != ControlKind.CHALLENGE:
+                if not isinstance(f.msg, Challenge):
                     self.ready.set_exception(ConnectionError("first frame is not CHALLENGE"))
                     return
-                mac = auth_mac(self.owner.secret, bytes(f.payload), self.owner.rank, self.peer)
+                mac = auth_mac(self.owner.secret, f.msg.nonce, self.owner.rank, self.peer)
                 assert self.transport is not None
-                self.owner._write(self.transport, bytes_frame(ControlKind.AUTH, self.owner.rank, mac))
+                self.owner._write(self.transport, Frame(Auth(self.owner.rank, mac)))
                 self.answered = True
-            elif f.header.kind == ControlKind.PONG:  # the listener accepted us
+            elif isinstance(f.msg, Pong):  # the listener accepted us
                 self.ready.set_result(True)
                 return
             else:

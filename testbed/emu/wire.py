@@ -1,33 +1,30 @@
-"""Data-plane wire format between emulated workers: a fixed header plus raw tensor bytes.
+"""Data-plane wire format between emulated workers: one typed message per frame.
 
 Why a home-made format and not pickle: a worker reads frames from peers it does
 not control (a crashed or buggy peer, a fuzzer), so decoding must be a pure
 function of bytes that can only fail with ``WireError`` and never allocate more
-than a configured limit. A fixed ``struct`` header makes every field bounded
-and the payload length known before a single payload byte is buffered.
+than a configured limit. Every field is a named field of one message class,
+packed by an explicit per-class layout, so each value is bounded and means
+exactly what its name says.
 
-Frame = header (``HEADER_SIZE`` bytes, little-endian) + context (``n_ctx``
-int32) + payload + padding. The context is variable-length so a frame pays
-only for the entries it uses.
+Frame = envelope (``ENVELOPE_SIZE`` bytes, little-endian: magic, version, kind,
+``meta_len``, ``payload_len``, ``pad_len``) + the message's fields (``meta_len``
+bytes: its fixed fields, then its counted lists) + payload + padding.
 
-- ``payload`` is one C-contiguous tensor (dtype code + up to 4 dims);
-  ``len == prod(shape) * itemsize`` is checked.
-- ``pad_len`` zero bytes follow the payload and are dropped by the receiver.
-  They let the emulator put a real model's hidden-state size on the wire
-  (8 KiB for Mixtral) while computing on scaled-down experts.
-- Routing fields the sender must carry (residing/aggregation server, the
-  token's accumulated quality budget as float64, gate weight, up to
-  ``MAX_CTX`` int32 of router context) live in the header, so a frame is
-  self-describing and no side channel is needed.
+- The envelope is checked first, payload limit included, so no meta or payload
+  byte is buffered for a frame that is too large or of an unknown kind.
+- Only the messages that carry a tensor (``Hidden``, ``Partial``, ``Token``) have a
+  payload: one C-contiguous float tensor described by their ``dtype`` and ``shape``
+  fields; ``payload_len == prod(shape) * itemsize`` is checked.
+- ``pad_len`` zero bytes follow the payload and are dropped by the receiver. They
+  let the emulator put a real model's hidden-state size on the wire (8 KiB for
+  Mixtral) while computing on scaled-down experts.
+- Decoding is canonical: an accepted frame re-encodes to exactly the bytes read
+  (booleans are 0/1, floats finite, counts exact, unknown values rejected).
 
-CONTROL frames carry a ``kind``: STATE (a state-view snapshot, payload
-float64 ``[2, N]`` or ``[3, N]``: row 0 backlog seconds, row 1 alive flags, row 2
-if present the number of frames the sender has received from each server, a
-cumulative acknowledgement), FAIL (a token cannot continue; ``home`` names the
-request's home, a peer that is not the home forwards it there, and ``ctx``
-holds the reason's UTF-8 bytes, one per int), SHUTDOWN, PING
-and PONG (a PONG echoes the PING's ``t_send`` in ``t_origin`` so the pinger
-measures RTT with its own clock).
+Server ranks are 16-bit; lists that have one entry per server (``State``) hold
+at most ``MAX_SERVERS``; an assignment at most ``MAX_PICKS`` targets (the spec's
+top-k limit), so nothing is clipped.
 """
 
 from __future__ import annotations
@@ -37,18 +34,24 @@ import hmac
 import math
 import socket
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import IntEnum
-from typing import Sequence
+from typing import Callable, NamedTuple, Union
 
-import numpy as np
 import torch
 
+from hetroute.state import Mode
+
 MAGIC = b"HRTW"
-VERSION = 1
+VERSION = 2
 MAX_DIMS = 4
-MAX_CTX = 64
-NO_SERVER = 0xFFFF
+MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
+MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
+MAX_SERVERS = 4096  # entries of a per-server list (STATE)
+MAX_REASON = 255  # UTF-8 bytes of a FAIL reason
+MAX_META = 0xFFFF  # bytes of a message's fields (its ``meta_len`` is 16-bit)
+NONCE_BYTES = 16
+MAC_BYTES = 32
 #: Default payload limit: far above any scaled-down batch, far below memory.
 DEFAULT_MAX_PAYLOAD = 16 * 2**20
 
@@ -57,30 +60,19 @@ class WireError(ValueError):
     """A malformed, truncated or oversized frame: close that connection only."""
 
 
-class MsgType(IntEnum):
-    HIDDEN = 1  # hidden state fanned out to run one expert replica
-    PARTIAL = 2  # an expert's (gate-weighted) output back to the aggregator
-    TOKEN = 3  # token handed to its next residing server, or home when FINAL
-    CONTROL = 4  # see ControlKind
+class Kind(IntEnum):
+    """The envelope's message kind; each value has exactly one message class."""
 
-
-class ControlKind(IntEnum):
-    NONE = 0  # data frames
-    STATE = 1
-    SHUTDOWN = 2
-    PING = 3
-    PONG = 4
-    FAIL = 5  # a token cannot continue: tells its home server (request, token, reason in ctx)
-    CHALLENGE = 6  # the listener's first frame on a connection: a fresh nonce (uint8 [16])
-    AUTH = 7  # the connector's answer: HMAC-SHA256 of the nonce and both ranks (uint8 [32])
-
-
-class Flag:
-    """Bits of ``Header.flags``; unknown bits are rejected."""
-
-    FINAL = 0x1  # TOKEN: all layers done, this is the output going home
-    ERROR = 0x2  # PARTIAL: the replica could not run; no payload expected
-    MASK = FINAL | ERROR
+    HIDDEN = 1
+    PARTIAL = 2
+    TOKEN = 3
+    STATE = 4
+    FAIL = 5
+    SHUTDOWN = 6
+    PING = 7
+    PONG = 8
+    CHALLENGE = 9
+    AUTH = 10
 
 
 class DType(IntEnum):
@@ -88,118 +80,197 @@ class DType(IntEnum):
     FLOAT16 = 1
     BFLOAT16 = 2
     FLOAT32 = 3
-    FLOAT64 = 4
-    INT8 = 5
-    UINT8 = 6
-    INT32 = 7
-    INT64 = 8
 
 
-_TORCH_OF = {
-    DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16,
-    DType.FLOAT32: torch.float32, DType.FLOAT64: torch.float64,
-    DType.INT8: torch.int8, DType.UINT8: torch.uint8,
-    DType.INT32: torch.int32, DType.INT64: torch.int64,
-}
+_TORCH_OF = {DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16,
+             DType.FLOAT32: torch.float32}
 _CODE_OF = {v: k for k, v in _TORCH_OF.items()}
 _ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in _TORCH_OF.items()}
-_ITEMSIZE[DType.NONE] = 0
-
-# The packed header, in order. Header fields keep their names; shape and ctx are
-# fixed-size arrays whose unused slots must be zero.
-_LAYOUT: tuple[tuple[str, str], ...] = (
-    ("magic", "4s"), ("version", "B"),
-    ("mtype", "B"), ("flags", "H"), ("kind", "B"), ("mode", "B"), ("part", "B"), ("n_parts", "B"),
-    ("request", "Q"), ("seq", "Q"), ("token", "I"), ("layer", "H"),
-    ("src", "H"), ("home", "H"), ("residing", "H"), ("aggregator", "H"),
-    ("target", "i"), ("expert", "i"), ("replica", "i"),  # -1: none
-    ("gate", "d"), ("lam_acc", "d"), ("t_origin", "d"), ("t_send", "d"),
-    ("dtype", "B"), ("ndim", "B"), ("n_ctx", "B"), ("reserved", "B"),
-    ("shape", f"{MAX_DIMS}I"),
-    ("payload_len", "Q"), ("pad_len", "I"),
-)
-_FMT = "<" + "".join(code for _, code in _LAYOUT)
-_STRUCT = struct.Struct(_FMT)
-#: Scalar Header fields packed as they are (between version and ndim).
-_FIELDS = tuple(name for name, _ in _LAYOUT[2:_LAYOUT.index(("ndim", "B"))])
 
 
-def field_offset(name: str) -> int:
-    """Byte offset of a header field (tests and debugging tools patch frames with it)."""
-    names = [n for n, _ in _LAYOUT]
-    return struct.calcsize("<" + "".join(c for _, c in _LAYOUT[:names.index(name)]))
+class Pick(NamedTuple):
+    """One target of an assignment: the gated expert, the replica serving it, and how."""
+
+    target: int  # global expert id (layer * E + j)
+    replica: int  # index into the deployment's replicas
+    mode: int  # hetroute.state.Mode
 
 
-HEADER_SIZE = _STRUCT.size
+class Ran(NamedTuple):
+    """One assignment position a participant computed, and on which tier."""
+
+    position: int  # index into the HIDDEN frame's assignment
+    on_gpu: bool
+
+
+# -- messages ----------------------------------------------------------------------
+# Every message names its sender (``src``): the transport drops a frame whose
+# ``src`` is not the rank its connection proved. Model times are emulated seconds
+# since the run started; PING/PONG times are the sender's monotonic clock.
+
+@dataclass(frozen=True, slots=True)
+class Hidden:
+    """A token-layer's hidden state, sent by the residing server to every participant
+    and to the aggregator, with the whole assignment so each can find its share."""
+
+    src: int  # the residing server, which made the decision
+    request: int
+    token: int
+    layer: int
+    seq: int  # per-token dispatch number: grows with every layer and retry
+    retries: int  # re-routings of this layer before this attempt (the third loss fails it)
+    home: int  # the request's home server
+    aggregator: int  # where the partials are summed and the token continues
+    n_participants: int  # partials the aggregator waits for
+    lam_acc: float  # the token's quality degradation before this layer
+    t_layer: float  # model time the layer began at the residing server
+    t_dispatch: float  # model time the decision was done and the state sent
+    view_age_us: int  # age of the state view the decision used
+    backlog_err_us: int  # view backlog minus true backlog where they differ most (signed)
+    decision_us: int  # decision time, dispatch minus decision start
+    assignment: tuple[Pick, ...]
+    router_ctx: tuple[int, ...]  # the router's own context (TokenView.ctx) after deciding
+    dtype: DType = DType.NONE
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
-class Header:
-    """Every fixed field of a frame except magic/version and the byte lengths.
+class Partial:
+    """A participant's gate-weighted sum of its experts' outputs, to the aggregator."""
 
-    ``shape``/``dtype`` describe the payload; ``ctx`` is the router context
-    (e.g. the next layer's top-k expert ids); ``lam_acc`` the accumulated
-    quality degradation of the token (float64 so it sums exactly like the
-    simulator's). Timestamps are seconds of the sender's monotonic clock.
-    """
-
-    mtype: MsgType
-    flags: int = 0
-    kind: ControlKind = ControlKind.NONE
-    mode: int = 0
-    part: int = 0
-    n_parts: int = 0
-    request: int = 0
-    seq: int = 0
-    token: int = 0
-    layer: int = 0
-    src: int = NO_SERVER
-    home: int = NO_SERVER
-    residing: int = NO_SERVER
-    aggregator: int = NO_SERVER
-    target: int = -1
-    expert: int = -1
-    replica: int = -1
-    gate: float = 1.0
-    lam_acc: float = 0.0
-    t_origin: float = 0.0
-    t_send: float = 0.0
+    src: int  # the participant
+    request: int
+    token: int
+    layer: int
+    seq: int  # the HIDDEN frame's seq
+    t_arrived: float  # model time the hidden state arrived at the participant
+    t_computed: float  # model time its last expert finished
+    ran: tuple[Ran, ...]  # the assignment positions summed here
     dtype: DType = DType.NONE
     shape: tuple[int, ...] = ()
-    ctx: tuple[int, ...] = field(default=())
 
-    @property
-    def payload_len(self) -> int:
-        return _ITEMSIZE[self.dtype] * math.prod(self.shape) if self.dtype else 0
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A token handed to the server where it continues: the aggregator itself for the
+    next layer (in process), or its home with the output when ``final``."""
+
+    src: int
+    request: int
+    token: int
+    layer: int  # the layer it enters next (n_layers when final)
+    seq: int  # dispatch number of its last layer
+    home: int
+    lam_acc: float  # accumulated quality degradation
+    final: bool  # all layers done; the payload is the output
+    router_ctx: tuple[int, ...] = ()
+    dtype: DType = DType.NONE
+    shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """The window broadcast: the sender's stream backlog, its view of who is alive,
+    and how many frames it has received from each server (a cumulative
+    acknowledgement; empty when not given)."""
+
+    src: int
+    window: int
+    opened_at: float  # model time the window opened
+    t_send: float  # model time of sending
+    backlog_s: float  # the sender's stream backlog, model seconds
+    alive: tuple[bool, ...]  # per server
+    received: tuple[int, ...] = ()  # per server, or ()
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """A token cannot continue: tells its home (a peer that is not the home forwards it)."""
+
+    src: int
+    home: int
+    request: int
+    token: int
+    reason: str  # at most MAX_REASON bytes of UTF-8 (``fail`` cuts longer ones)
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    src: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    src: int
+    seq: int
+    t_send: float  # sender's monotonic clock
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """The reply to a PING (the pinger measures RTT on its own clock); a listener also
+    sends one with seq 0 to accept an authenticated connection."""
+
+    src: int
+    seq: int  # the PING's seq
+    t_ping: float  # the PING's t_send, echoed
+    t_send: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """The listener's first frame on a connection: a fresh nonce."""
+
+    src: int
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """The connector's answer: ``auth_mac`` of the nonce and both ranks."""
+
+    src: int
+    mac: bytes
+
+
+Message = Union[Hidden, Partial, Token, State, Fail, Shutdown, Ping, Pong, Challenge, Auth]
+TENSOR_MESSAGES = (Hidden, Partial, Token)
 
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """A header and its payload bytes (``bytearray`` when decoded: writable, so
+    """A message and its payload bytes (``bytearray`` when decoded: writable, so
     ``tensor()`` wraps it without a copy)."""
 
-    header: Header
+    msg: Message
     payload: bytes | bytearray | memoryview = b""
     pad_len: int = 0
 
     def tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The payload as a tensor; zero-copy on CPU when the buffer is writable."""
-        h = self.header
-        if h.dtype == DType.NONE:
+        m = self.msg
+        if not isinstance(m, TENSOR_MESSAGES) or m.dtype == DType.NONE:
             raise WireError("frame has no payload tensor")
         buf = self.payload
         if isinstance(buf, bytes) or (isinstance(buf, memoryview) and buf.readonly):
             buf = bytearray(buf)
         if len(buf) == 0:
-            t = torch.empty(h.shape, dtype=_TORCH_OF[h.dtype])
+            t = torch.empty(m.shape, dtype=_TORCH_OF[m.dtype])
         else:
-            t = torch.frombuffer(buf, dtype=_TORCH_OF[h.dtype]).view(h.shape)
+            t = torch.frombuffer(buf, dtype=_TORCH_OF[m.dtype]).view(m.shape)
         return t if device is None else t.to(device)
 
     def same_as(self, other: "Frame") -> bool:
-        """Equality of header, payload bytes and padding (payload buffer types differ)."""
-        return (self.header == other.header and bytes(self.payload) == bytes(other.payload)
+        """Equality of message, payload bytes and padding (payload buffer types differ)."""
+        return (self.msg == other.msg and bytes(self.payload) == bytes(other.payload)
                 and self.pad_len == other.pad_len)
+
+
+def payload_len(m: Message) -> int:
+    """Payload bytes the message's dtype and shape announce (0 for the rest)."""
+    if not isinstance(m, TENSOR_MESSAGES) or m.dtype == DType.NONE:
+        return 0
+    return _ITEMSIZE[m.dtype] * math.prod(m.shape)
 
 
 # -- building frames -----------------------------------------------------------
@@ -214,124 +285,35 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def tensor_frame(header: Header, t: torch.Tensor, pad_to: int = 0) -> Frame:
+def tensor_frame(msg: Hidden | Partial | Token, t: torch.Tensor, pad_to: int = 0) -> Frame:
     """Frame carrying ``t``; ``pad_to`` pads the body with zeros up to that many bytes."""
     if t.dtype not in _CODE_OF:
         raise WireError(f"dtype {t.dtype} is not supported on the wire")
     if t.dim() > MAX_DIMS:
         raise WireError(f"tensor has {t.dim()} dims, at most {MAX_DIMS} go on the wire")
     code, shape = _CODE_OF[t.dtype], tuple(t.shape)
-    h = header if (header.dtype == code and header.shape == shape) else \
-        replace(header, dtype=code, shape=shape)
+    m = msg if (msg.dtype == code and msg.shape == shape) else replace(msg, dtype=code, shape=shape)
     data = tensor_bytes(t) if t.numel() else memoryview(b"")
-    return Frame(h, data, max(0, pad_to - len(data)))
+    return Frame(m, data, max(0, pad_to - len(data)))
 
 
-def state_frame(backlog: Sequence[float], alive: Sequence[bool], src: int, window: int,
-                opened_at: float, t_send: float = 0.0,
-                received: Sequence[int] | None = None) -> Frame:
-    """CONTROL/STATE snapshot: ``seq`` is the window number, ``t_origin`` its opening time;
-    ``received`` (frames received from each server so far) acknowledges them."""
-    if len(backlog) != len(alive) or (received is not None and len(received) != len(alive)):
-        raise ValueError("backlog, alive and received must have one entry per server")
-    rows = [list(map(float, backlog)), [1.0 if a else 0.0 for a in alive]]
-    if received is not None:
-        rows.append([float(c) for c in received])
-    arr = torch.tensor(rows, dtype=torch.float64)
-    h = Header(MsgType.CONTROL, kind=ControlKind.STATE, src=src, seq=window,
-               t_origin=opened_at, t_send=t_send)
-    return tensor_frame(h, arr)
+def fail(src: int, home: int, request: int, token: int, reason: str) -> Fail:
+    """A FAIL whose reason is cut, at a character boundary, to what fits."""
+    raw = reason.encode("utf-8", "replace")[:MAX_REASON]
+    return Fail(src, home, request, token, raw.decode("utf-8", "ignore"))
 
 
-def parse_state(frame: Frame) -> tuple[list[float], list[bool]]:
-    """(backlog seconds, alive flags) of a STATE frame."""
-    h = frame.header
-    if h.mtype != MsgType.CONTROL or h.kind != ControlKind.STATE:
-        raise WireError("not a STATE frame")
-    arr = np.frombuffer(frame.payload, dtype=np.float64).reshape(h.shape)
-    return arr[0].tolist(), [bool(a) for a in arr[1]]
-
-
-def state_received(frame: Frame) -> list[int] | None:
-    """The STATE frame's acknowledgements (frames received per server), None if it has none."""
-    h = frame.header
-    if h.shape[0] < 3:
-        return None
-    arr = np.frombuffer(frame.payload, dtype=np.float64).reshape(h.shape)
-    return [int(c) for c in arr[2]]
-
-
-def fail_frame(src: int, home: int, request: int, token: int, reason: str) -> Frame:
-    """CONTROL/FAIL: token ``token`` of ``request`` (homed at ``home``) cannot continue."""
-    return Frame(Header(MsgType.CONTROL, kind=ControlKind.FAIL, src=src, home=home,
-                        request=request, token=token,
-                        ctx=tuple(reason.encode("utf-8", "replace")[:MAX_CTX])))
-
-
-def fail_reason(frame: Frame) -> str:
-    return bytes(int(c) & 0xFF for c in frame.header.ctx).decode("utf-8", "replace")
-
-
-def control_frame(kind: ControlKind, src: int, t_send: float = 0.0, t_origin: float = 0.0,
-                  seq: int = 0) -> Frame:
-    """A payload-less CONTROL frame (SHUTDOWN, PING, PONG)."""
-    return Frame(Header(MsgType.CONTROL, kind=kind, src=src, seq=seq, t_send=t_send,
-                        t_origin=t_origin))
-
-
-def pong_for(ping: Frame, src: int, t_send: float = 0.0) -> Frame:
-    """The reply to a PING: echoes its ``t_send`` as ``t_origin`` and its ``seq``."""
-    return control_frame(ControlKind.PONG, src, t_send=t_send, t_origin=ping.header.t_send,
-                         seq=ping.header.seq)
-
-
-# -- encoding ------------------------------------------------------------------
-
-def _validate(h: Header, pad_len: int, max_payload: int) -> None:
-    """Every rule a decoded header must satisfy; the encoder applies the same ones."""
-    try:
-        mtype = MsgType(h.mtype)
-        kind = ControlKind(h.kind)
-        dtype = DType(h.dtype)
-    except ValueError as e:
-        raise WireError(f"unknown enum value: {e}") from None
-    if h.flags & ~Flag.MASK:
-        raise WireError(f"unknown flag bits 0x{h.flags & ~Flag.MASK:x}")
-    if (mtype == MsgType.CONTROL) != (kind != ControlKind.NONE):
-        raise WireError("control kind must be set exactly on CONTROL frames")
-    ndim = len(h.shape)
-    if ndim > MAX_DIMS or len(h.ctx) > MAX_CTX:
-        raise WireError("too many dims or context entries")
-    if dtype == DType.NONE and ndim:
-        raise WireError("shape given without a dtype")
-    for name in ("gate", "lam_acc", "t_origin", "t_send"):
-        if not math.isfinite(getattr(h, name)):
-            raise WireError(f"{name} is not finite")
-    if h.lam_acc < 0:
-        raise WireError("lam_acc must be >= 0")
-    n = h.payload_len
-    if n + pad_len > max_payload:
-        raise WireError(f"body of {n + pad_len} bytes exceeds the limit of {max_payload}")
-    errored = bool(h.flags & Flag.ERROR)
-    if mtype in (MsgType.HIDDEN, MsgType.TOKEN) or (mtype == MsgType.PARTIAL and not errored):
-        if dtype not in (DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32) or ndim < 1:
-            raise WireError(f"{mtype.name} needs a floating tensor payload")
-    if kind == ControlKind.STATE and (dtype != DType.FLOAT64 or ndim != 2 or h.shape[0] not in (2, 3)):
-        raise WireError("STATE needs a float64 [2, N] or [3, N] payload")
-    if kind in (ControlKind.SHUTDOWN, ControlKind.PING, ControlKind.PONG, ControlKind.FAIL) and dtype:
-        raise WireError(f"{kind.name} carries no payload")
-    if kind in _AUTH_BYTES and (dtype != DType.UINT8 or h.shape != (_AUTH_BYTES[kind],)):
-        raise WireError(f"{kind.name} needs a uint8 [{_AUTH_BYTES[kind]}] payload")
+def pong_for(ping: Ping, src: int, t_send: float = 0.0) -> Pong:
+    """The reply to a PING: echoes its ``seq`` and ``t_send``."""
+    return Pong(src, ping.seq, ping.t_send, t_send)
 
 
 # -- peer authentication -----------------------------------------------------------
 # A connection is bound to the rank it claims before any of its frames count: the
 # listener sends CHALLENGE (a fresh nonce), the connector answers AUTH with
-# HMAC-SHA256(run secret, nonce | connector rank | listener rank). Without the run's
-# secret a connection cannot claim a rank, and a recorded answer does not fit a new nonce.
-NONCE_BYTES = 16
-_AUTH_BYTES = {ControlKind.CHALLENGE: NONCE_BYTES, ControlKind.AUTH: 32}
-
+# HMAC-SHA256(run secret, nonce | connector rank | listener rank), the listener
+# accepts with a PONG. Without the run's secret a connection cannot claim a rank,
+# and a recorded answer does not fit a new nonce.
 
 def auth_mac(secret: bytes, nonce: bytes, src: int, dst: int) -> bytes:
     """What rank ``src`` answers to ``dst``'s ``nonce``."""
@@ -339,25 +321,207 @@ def auth_mac(secret: bytes, nonce: bytes, src: int, dst: int) -> bytes:
                     hashlib.sha256).digest()
 
 
-def bytes_frame(kind: ControlKind, src: int, data: bytes) -> Frame:
-    """A CHALLENGE or AUTH frame carrying ``data``."""
-    return tensor_frame(Header(MsgType.CONTROL, kind=kind, src=src),
-                        torch.frombuffer(bytearray(data), dtype=torch.uint8))
+# -- the codec -------------------------------------------------------------------
+# Each message class has a fixed part (its scalar fields, in the order listed) and
+# then its lists, each preceded by a count. ``_LISTS`` names the lists and how one
+# item is packed; ``_check`` holds the rules struct cannot express.
+
+_ENVELOPE_LAYOUT = (("magic", "4s"), ("version", "B"), ("kind", "B"), ("meta_len", "H"),
+                    ("payload_len", "I"), ("pad_len", "I"))
+_ENVELOPE = struct.Struct("<" + "".join(f for _, f in _ENVELOPE_LAYOUT))
+ENVELOPE_SIZE = _ENVELOPE.size
+
+_KIND_OF: dict[type, Kind] = {Hidden: Kind.HIDDEN, Partial: Kind.PARTIAL, Token: Kind.TOKEN,
+                              State: Kind.STATE, Fail: Kind.FAIL, Shutdown: Kind.SHUTDOWN,
+                              Ping: Kind.PING, Pong: Kind.PONG, Challenge: Kind.CHALLENGE,
+                              Auth: Kind.AUTH}
+_CLASS_OF = {k: c for c, k in _KIND_OF.items()}
+
+_REQ = (("request", "Q"), ("token", "I"), ("layer", "H"), ("seq", "Q"))
+_SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
+    Hidden: (("src", "H"), *_REQ, ("retries", "B"), ("home", "H"), ("aggregator", "H"),
+             ("n_participants", "H"), ("lam_acc", "d"), ("t_layer", "d"), ("t_dispatch", "d"),
+             ("view_age_us", "q"), ("backlog_err_us", "q"), ("decision_us", "q"), ("dtype", "B")),
+    Partial: (("src", "H"), *_REQ, ("t_arrived", "d"), ("t_computed", "d"), ("dtype", "B")),
+    Token: (("src", "H"), *_REQ, ("home", "H"), ("lam_acc", "d"), ("final", "B"), ("dtype", "B")),
+    State: (("src", "H"), ("window", "Q"), ("opened_at", "d"), ("t_send", "d"), ("backlog_s", "d")),
+    Fail: (("src", "H"), ("home", "H"), ("request", "Q"), ("token", "I")),
+    Shutdown: (("src", "H"),),
+    Ping: (("src", "H"), ("seq", "Q"), ("t_send", "d")),
+    Pong: (("src", "H"), ("seq", "Q"), ("t_ping", "d"), ("t_send", "d")),
+    Challenge: (("src", "H"), ("nonce", f"{NONCE_BYTES}s")),
+    Auth: (("src", "H"), ("mac", f"{MAC_BYTES}s")),
+}
+_STRUCTS = {c: struct.Struct("<" + "".join(f for _, f in lay)) for c, lay in _SCALARS.items()}
+
+
+class _List(NamedTuple):
+    name: str
+    count: str  # struct code of the count
+    item: str  # struct code of one item (several codes: a tuple item)
+    limit: int
+    make: Callable | None = None  # builds one decoded item from its unpacked values
+
+
+_SHAPE = _List("shape", "B", "I", MAX_DIMS)
+_CTX = _List("router_ctx", "H", "i", MAX_ROUTER_CTX)
+_LISTS: dict[type, tuple[_List, ...]] = {
+    Hidden: (_SHAPE, _List("assignment", "H", "IIB", MAX_PICKS, Pick), _CTX),
+    Partial: (_SHAPE, _List("ran", "H", "HB", MAX_PICKS, Ran)),
+    Token: (_SHAPE, _CTX),
+    State: (_List("alive", "H", "B", MAX_SERVERS), _List("received", "H", "Q", MAX_SERVERS)),
+    Fail: (_List("reason", "B", "B", MAX_REASON),),
+}
+_BOOL_SCALARS = {"final"}
+_FLOAT_NAMES = {n for lay in _SCALARS.values() for n, f in lay if f == "d"}
+
+
+def field_offset(cls: type | None, name: str) -> int:
+    """Byte offset of an envelope field (``cls`` None) or of a message's fixed field in an
+    encoded frame (tests patch frames with it)."""
+    lay = _ENVELOPE_LAYOUT if cls is None else _SCALARS[cls]
+    names = [n for n, _ in lay]
+    base = 0 if cls is None else ENVELOPE_SIZE
+    return base + struct.calcsize("<" + "".join(f for _, f in lay[:names.index(name)]))
+
+
+def _check(m: Message) -> None:
+    """Every rule a message must satisfy beyond its fields' struct ranges; applied
+    on both ends, so the encoder refuses what a decoder would refuse."""
+    for name in _FLOAT_NAMES:
+        v = getattr(m, name, 0.0)
+        if not math.isfinite(v):
+            raise WireError(f"{name} is not finite")
+    if getattr(m, "lam_acc", 0.0) < 0:
+        raise WireError("lam_acc must be >= 0")
+    if isinstance(m, TENSOR_MESSAGES):
+        if m.dtype not in _TORCH_OF or not 1 <= len(m.shape) <= MAX_DIMS:
+            raise WireError(f"{type(m).__name__} needs a float tensor payload of 1-{MAX_DIMS} dims")
+    if isinstance(m, Hidden):
+        if not m.assignment:
+            raise WireError("an assignment needs at least one target")
+        if not 1 <= m.n_participants <= len(m.assignment):
+            raise WireError("n_participants out of range")
+        for p in m.assignment:
+            if p.mode not in Mode._value2member_map_:
+                raise WireError(f"unknown mode {p.mode}")
+    if isinstance(m, Partial):
+        pos = [r.position for r in m.ran]
+        if not pos or pos != sorted(set(pos)):
+            raise WireError("ran must list distinct positions in increasing order")
+    if isinstance(m, State) and m.received and len(m.received) != len(m.alive):
+        raise WireError("received needs one entry per server, like alive")
+    if isinstance(m, Fail) and len(m.reason.encode("utf-8")) > MAX_REASON:
+        raise WireError(f"reason longer than {MAX_REASON} bytes")
+    if isinstance(m, Challenge) and len(m.nonce) != NONCE_BYTES:
+        raise WireError(f"a nonce has {NONCE_BYTES} bytes")
+    if isinstance(m, Auth) and len(m.mac) != MAC_BYTES:
+        raise WireError(f"a MAC has {MAC_BYTES} bytes")
+
+
+def _list_items(m: Message, spec: _List) -> list:
+    v = getattr(m, spec.name)
+    if spec.name == "reason":
+        return list(v.encode("utf-8"))
+    return list(v)
+
+
+def _encode_meta(m: Message) -> bytes:
+    cls = type(m)
+    if cls not in _STRUCTS:
+        raise WireError(f"{cls.__name__} is not a wire message")
+    _check(m)
+    out = bytearray()
+    try:
+        out += _STRUCTS[cls].pack(*(getattr(m, n) for n, _ in _SCALARS[cls]))
+        for spec in _LISTS.get(cls, ()):
+            items = _list_items(m, spec)
+            if len(items) > spec.limit:
+                raise WireError(f"{spec.name} has {len(items)} entries, at most {spec.limit}")
+            out += struct.pack("<" + spec.count, len(items))
+            fmt = "<" + spec.item
+            for it in items:
+                out += struct.pack(fmt, *it) if len(spec.item) > 1 else struct.pack(fmt, it)
+    except struct.error as e:
+        raise WireError(f"field out of range: {e}") from None
+    if len(out) > MAX_META:
+        raise WireError(f"message fields take {len(out)} bytes, at most {MAX_META}")
+    return bytes(out)
+
+
+def _decode_meta(kind: Kind, buf: bytes | bytearray | memoryview) -> Message:
+    """The message in exactly ``buf``; WireError for anything a clean encoder never writes."""
+    cls = _CLASS_OF[kind]
+    st = _STRUCTS[cls]
+    if len(buf) < st.size:
+        raise WireError(f"{kind.name} fields truncated")
+    vals = dict(zip((n for n, _ in _SCALARS[cls]), st.unpack_from(buf)))
+    off = st.size
+    for name in _BOOL_SCALARS & vals.keys():
+        if vals[name] > 1:
+            raise WireError(f"{name} must be 0 or 1")
+        vals[name] = bool(vals[name])
+    if "dtype" in vals:
+        try:
+            vals["dtype"] = DType(vals["dtype"])
+        except ValueError:
+            raise WireError(f"unknown dtype {vals['dtype']}") from None
+    for spec in _LISTS.get(cls, ()):
+        cs = struct.calcsize("<" + spec.count)
+        if len(buf) < off + cs:
+            raise WireError(f"{kind.name} fields truncated")
+        (n,), off = struct.unpack_from("<" + spec.count, buf, off), off + cs
+        if n > spec.limit:
+            raise WireError(f"{spec.name} has {n} entries, at most {spec.limit}")
+        item = struct.Struct("<" + spec.item)
+        if len(buf) < off + n * item.size:
+            raise WireError(f"{kind.name} fields truncated")
+        raw = [item.unpack_from(buf, off + i * item.size) for i in range(n)]
+        off += n * item.size
+        vals[spec.name] = _decoded_list(spec, raw)
+    if off != len(buf):
+        raise WireError(f"{len(buf) - off} bytes after the {kind.name} fields")
+    m = cls(**vals)
+    _check(m)
+    return m
+
+
+def _decoded_list(spec: _List, raw: list[tuple]) -> object:
+    if spec.name == "reason":
+        try:
+            return bytes(v for (v,) in raw).decode("utf-8")
+        except UnicodeDecodeError:
+            raise WireError("reason is not UTF-8") from None
+    if spec.name == "alive" or spec.make is Ran:
+        for r in raw:
+            if r[-1] > 1:
+                raise WireError(f"{spec.name} flags must be 0 or 1")
+    if spec.name == "alive":
+        return tuple(bool(v) for (v,) in raw)
+    if spec.make is Ran:
+        return tuple(Ran(p, bool(g)) for p, g in raw)
+    if spec.make is not None:
+        return tuple(spec.make(*r) for r in raw)
+    return tuple(v for (v,) in raw)
 
 
 def encode_header(frame: Frame, max_payload: int = DEFAULT_MAX_PAYLOAD) -> bytes:
-    """Header bytes of ``frame``; raises WireError for a frame no decoder would accept."""
-    h = frame.header
-    _validate(h, frame.pad_len, max_payload)
-    if len(frame.payload) != h.payload_len:
-        raise WireError(f"payload has {len(frame.payload)} bytes, header says {h.payload_len}")
-    shape = tuple(h.shape) + (0,) * (MAX_DIMS - len(h.shape))
+    """Envelope and message bytes of ``frame`` (all but payload and padding); raises
+    WireError for a frame no decoder would accept."""
+    m = frame.msg
+    meta = _encode_meta(m)
+    n = payload_len(m)
+    if len(frame.payload) != n:
+        raise WireError(f"payload has {len(frame.payload)} bytes, the message says {n}")
+    if frame.pad_len and not isinstance(m, TENSOR_MESSAGES):
+        raise WireError(f"{type(m).__name__} carries no payload or padding")
+    if n + frame.pad_len > max_payload:
+        raise WireError(f"body of {n + frame.pad_len} bytes exceeds the limit of {max_payload}")
     try:
-        return _STRUCT.pack(MAGIC, VERSION, *(getattr(h, f) for f in _FIELDS),
-                            len(h.shape), len(h.ctx), 0, *shape,
-                            h.payload_len, frame.pad_len) + struct.pack(f"<{len(h.ctx)}i", *h.ctx)
+        env = _ENVELOPE.pack(MAGIC, VERSION, _KIND_OF[type(m)], len(meta), n, frame.pad_len)
     except struct.error as e:
         raise WireError(f"field out of range: {e}") from None
+    return env + meta
 
 
 def encode(frame: Frame, max_payload: int = DEFAULT_MAX_PAYLOAD) -> bytes:
@@ -365,47 +529,41 @@ def encode(frame: Frame, max_payload: int = DEFAULT_MAX_PAYLOAD) -> bytes:
     return encode_header(frame, max_payload) + bytes(frame.payload) + bytes(frame.pad_len)
 
 
-def decode_header(buf: bytes | bytearray | memoryview,
-                  max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[Header, int, int, int]:
-    """(header without ctx, ctx_bytes, payload_len, pad_len) from the first
-    HEADER_SIZE bytes of ``buf``; ``with_ctx`` completes the header."""
-    if len(buf) < HEADER_SIZE:
-        raise WireError("truncated header")
-    vals = _STRUCT.unpack_from(buf)
-    magic, version = vals[0], vals[1]
+class _Envelope(NamedTuple):
+    kind: Kind
+    meta_len: int
+    payload_len: int
+    pad_len: int
+
+
+def decode_envelope(buf: bytes | bytearray | memoryview,
+                    max_payload: int = DEFAULT_MAX_PAYLOAD) -> _Envelope:
+    """The envelope in the first ENVELOPE_SIZE bytes of ``buf``, with the payload limit
+    enforced before anything after it is buffered."""
+    if len(buf) < ENVELOPE_SIZE:
+        raise WireError("truncated envelope")
+    magic, version, kind, meta_len, n, pad = _ENVELOPE.unpack_from(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}")
     if version != VERSION:
         raise WireError(f"unsupported version {version}")
-    k = 2 + len(_FIELDS)
-    named = dict(zip(_FIELDS, vals[2:k]))
-    ndim, n_ctx, reserved = vals[k:k + 3]
-    shape_all = vals[k + 3:k + 3 + MAX_DIMS]
-    payload_len, pad_len = vals[-2:]
-    if reserved:
-        raise WireError("reserved header byte must be zero")
-    if ndim > MAX_DIMS or n_ctx > MAX_CTX:
-        raise WireError("too many dims or context entries")
-    if any(shape_all[ndim:]):
-        raise WireError("unused shape slots must be zero")
     try:
-        named["mtype"] = MsgType(named["mtype"])
-        named["kind"] = ControlKind(named["kind"])
-        named["dtype"] = DType(named["dtype"])
-    except ValueError as e:
-        raise WireError(f"unknown enum value: {e}") from None
-    h = Header(shape=tuple(shape_all[:ndim]), **named)
-    _validate(h, pad_len, max_payload)
-    if payload_len != h.payload_len:
-        raise WireError(f"payload_len {payload_len} does not match dtype/shape ({h.payload_len})")
-    return h, 4 * n_ctx, payload_len, pad_len
+        kind = Kind(kind)
+    except ValueError:
+        raise WireError(f"unknown message kind {kind}") from None
+    if n + pad > max_payload:
+        raise WireError(f"body of {n + pad} bytes exceeds the limit of {max_payload}")
+    if (n or pad) and _CLASS_OF[kind] not in TENSOR_MESSAGES:
+        raise WireError(f"{kind.name} carries no payload or padding")
+    return _Envelope(kind, meta_len, n, pad)
 
 
-def with_ctx(h: Header, ctx_bytes: bytes | bytearray | memoryview) -> Header:
-    """The header completed with its context entries."""
-    if not ctx_bytes:
-        return h
-    return replace(h, ctx=struct.unpack(f"<{len(ctx_bytes) // 4}i", ctx_bytes))
+def decode_message(env: _Envelope, meta: bytes | bytearray | memoryview) -> Message:
+    """The message of ``env`` from its ``meta_len`` field bytes, checked against the envelope."""
+    m = _decode_meta(env.kind, meta)
+    if payload_len(m) != env.payload_len:
+        raise WireError(f"payload_len {env.payload_len} does not match dtype/shape ({payload_len(m)})")
+    return m
 
 
 def decode(data: bytes | bytearray, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Frame:
@@ -420,11 +578,11 @@ def decode(data: bytes | bytearray, max_payload: int = DEFAULT_MAX_PAYLOAD) -> F
 class FrameDecoder:
     """Incremental decoder for a byte stream (non-blocking sockets, selectors).
 
-    Memory bound: the header is validated (including the payload limit) as soon
-    as it is complete, so at rest the buffer never holds more than
-    ``HEADER_SIZE + max_payload`` bytes plus what was handed to the last
-    ``feed``. After the first ``WireError`` the decoder stays failed: the
-    stream position is lost and the connection must be closed.
+    Memory bound: the envelope is validated (including the payload limit) as soon
+    as it is complete and the message as soon as its fields are, so at rest the
+    buffer never holds more than ``max(MAX_META, max_payload)`` bytes plus what
+    was handed to the last ``feed``. After the first ``WireError`` the decoder
+    stays failed: the stream position is lost and the connection must be closed.
     """
 
     def __init__(self, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
@@ -432,7 +590,8 @@ class FrameDecoder:
             raise ValueError("max_payload must be >= 0")
         self.max_payload = max_payload
         self._buf = bytearray()
-        self._pending: tuple[Header, int, int, int] | None = None
+        self._env: _Envelope | None = None
+        self._msg: Message | None = None
         self._failed: WireError | None = None
 
     @property
@@ -442,7 +601,7 @@ class FrameDecoder:
     @property
     def mid_frame(self) -> bool:
         """True when EOF now would truncate a frame."""
-        return bool(self._buf) or self._pending is not None
+        return bool(self._buf) or self._env is not None
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._failed is not None:
@@ -452,21 +611,26 @@ class FrameDecoder:
         buf = self._buf
         try:
             while True:
-                if self._pending is None:
-                    if len(buf) < HEADER_SIZE:
+                if self._env is None:
+                    if len(buf) < ENVELOPE_SIZE:
                         break
-                    self._pending = decode_header(buf, self.max_payload)
-                    del buf[:HEADER_SIZE]
-                h, c, n, pad = self._pending
-                if len(buf) < c + n + pad:
+                    self._env = decode_envelope(buf, self.max_payload)
+                    del buf[:ENVELOPE_SIZE]
+                env = self._env
+                if self._msg is None:
+                    if len(buf) < env.meta_len:
+                        break
+                    self._msg = decode_message(env, bytes(buf[:env.meta_len]))
+                    del buf[:env.meta_len]
+                n, pad = env.payload_len, env.pad_len
+                if len(buf) < n + pad:
                     break
-                h = with_ctx(h, buf[:c])
-                payload = buf[c:c + n]
-                if pad and any(buf[c + n:c + n + pad]):
+                payload = buf[:n]
+                if pad and any(buf[n:n + pad]):
                     raise WireError("padding bytes must be zero")
-                del buf[:c + n + pad]
-                self._pending = None
-                out.append(Frame(h, payload, pad))
+                del buf[:n + pad]
+                out.append(Frame(self._msg, payload, pad))
+                self._env = self._msg = None
         except WireError as e:
             self._failed = e
             self._buf = bytearray()
@@ -517,22 +681,21 @@ def recv_frame(sock: socket.socket, max_payload: int = DEFAULT_MAX_PAYLOAD) -> F
     """Read one frame (blocking); None on a clean EOF between frames.
 
     The payload is received straight into the buffer the tensor will wrap,
-    allocated only after the header passed validation.
+    allocated only after the envelope and the message passed validation.
     """
-    head = bytearray(HEADER_SIZE)
+    head = bytearray(ENVELOPE_SIZE)
     if not _recv_exact(sock, memoryview(head), allow_eof=True):
         return None
-    h, c, n, pad = decode_header(head, max_payload)
-    if c:
-        ctx = bytearray(c)
-        _recv_exact(sock, memoryview(ctx), allow_eof=False)
-        h = with_ctx(h, ctx)
+    env = decode_envelope(head, max_payload)
+    meta = bytearray(env.meta_len)
+    _recv_exact(sock, memoryview(meta), allow_eof=False)
+    msg = decode_message(env, meta)
+    n, pad = env.payload_len, env.pad_len
     body = bytearray(n + pad)
     _recv_exact(sock, memoryview(body), allow_eof=False)
     if pad:
         if any(memoryview(body)[n:]):
             raise WireError("padding bytes must be zero")
         del body[n:]
-    return Frame(h, body, pad)
-
+    return Frame(msg, body, pad)
 

@@ -1,0 +1,113 @@
+"""Aggregation: the server named in a token-layer's HIDDEN frames sums the
+participants' partials into the residual, writes the token-layer record, feeds
+the router back, and hands the token on: to itself for the next layer, or home
+with the output after the last one (TOKEN, final).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hetroute.state import Assignment, TokenView
+
+from ...core import Routed
+from ..wire import DType, Frame, Hidden, Ran, Token
+
+
+@dataclass
+class Gather:
+    """The aggregator's view of one token-layer attempt."""
+
+    key: tuple  # (request, token, layer, seq)
+    msg: Hidden | None = None  # the attempt's HIDDEN message, once it arrived
+    hidden: torch.Tensor | None = None
+    #: participant -> (partial sum, t_arrived, t_computed, arrival here (model s), positions run)
+    partials: dict[int, tuple[torch.Tensor, float, float, float, tuple[Ran, ...]]] = \
+        field(default_factory=dict)
+    opened: float = 0.0
+
+
+class Aggregation:
+    """Owns ``gathers``."""
+
+    def _init_aggregation(self) -> None:
+        self.gathers: dict[tuple, Gather] = {}
+
+    def _gather(self, key: tuple) -> Gather:
+        g = self.gathers.get(key)
+        if g is None:
+            g = self.gathers[key] = Gather(key, opened=self.now())
+        return g
+
+    def _on_partial(self, frame: Frame, arrival: float) -> None:
+        m = frame.msg
+        key = (m.request, m.token, m.layer, m.seq)
+        g = self.gathers.get(key)
+        if g is None and self._stale(key):
+            return
+        g = self._gather(key)
+        g.partials[m.src] = (frame.tensor().clone(), m.t_arrived, m.t_computed,
+                             (arrival - self.t0) / self.T, m.ran)
+        self._maybe_complete(g)
+
+    def _stale(self, key: tuple) -> bool:
+        """A later attempt of the same token-layer is open: this one was abandoned."""
+        rid, tok, layer, seq = key
+        return any(k[:3] == (rid, tok, layer) and k[3] > seq for k in self.gathers)
+
+    def _maybe_complete(self, g: Gather) -> None:
+        h = g.msg
+        if h is None or len(g.partials) < h.n_participants:
+            return
+        del self.gathers[g.key]
+        rid, tok, layer, seq = g.key
+        for old in [k for k in self.gathers if k[:3] == (rid, tok, layer) and k[3] < seq]:
+            del self.gathers[old]  # an abandoned attempt of this layer
+        t = self.now()
+        picks = h.assignment
+        if self.inrun is not None:
+            out = self.inrun.combine(h.layer, g.hidden, [p[0] for p in g.partials.values()])
+        else:
+            out = g.hidden.clone()
+            for part in g.partials.values():
+                out += part[0]
+            out = out / out.pow(2).mean().clamp_min(1e-12).sqrt()
+        theta = h.src  # the residing server sent the state
+        gpus = [True] * len(picks)
+        for *_, ran in g.partials.values():
+            for pos, on_gpu in ran:
+                if pos < len(picks):
+                    gpus[pos] = on_gpu
+        fo_end = max(p[1] for p in g.partials.values())
+        comp_end = max(p[2] for p in g.partials.values())
+        t_disp = h.t_dispatch
+        remote_parts = [n for n in g.partials if n != theta]
+        n_bytes = self.hidden_bytes * (len(remote_parts) + sum(1 for n in g.partials if n != self.rank))
+        last = h.layer == self.L - 1
+        if last and h.home != self.rank:
+            n_bytes += self.hidden_bytes
+        decision_s = h.decision_us * 1e-6
+        a = Assignment(tuple(p.target for p in picks), tuple(p.replica for p in picks),
+                       tuple(p.mode for p in picks), self.rank)
+        dq = self.core.increment(a.targets, a.replicas)  # derived here too, not read off the wire
+        routed = Routed(a, {}, decision_s, h.view_age_us * 1e-6, h.backlog_err_us * 1e-6, dq)
+        tv = TokenView(h.request, h.token, h.home, 0.0, server=theta, layer=h.layer)
+        rec = self.core.record(tv, routed, gpus, h.t_layer, t_disp - decision_s, t_disp, fo_end,
+                               comp_end, t, n_bytes, len(g.partials), self.view.window)
+        self.writer.token_layer(rec)
+        self.stats["token_layers"] += 1
+        self.decider.on_layer_done(rec)  # recorded (and fed back) where the layer aggregates
+        lam = float(h.lam_acc) + dq
+        if not last:
+            self._begin_layer(Token(src=self.rank, request=h.request, token=h.token,
+                                    layer=h.layer + 1, seq=h.seq, home=h.home, lam_acc=lam,
+                                    final=False, router_ctx=h.router_ctx), out)
+            return
+        final = Token(src=self.rank, request=h.request, token=h.token, layer=self.L, seq=h.seq,
+                      home=h.home, lam_acc=lam, final=True, dtype=DType.FLOAT32, shape=(self.d,))
+        why = f"home {self.setup.cluster.names[h.home]} unreachable"
+        if not self._send(h.home, self._hidden_frame(final, out),
+                          lambda _, final=final, why=why: self._token_failed(final, why)):
+            self._token_failed(final, why)

@@ -1,0 +1,107 @@
+"""The participant's side, glued to the modeled GPU stream (``stream.py``).
+
+A participant computes its experts' outputs at once (eagerly, in this thread)
+and queues the jobs on its modeled stream: FIFO, every queued job of the same
+replica coalesced into one batch, a CPU-resident replica paying its load once
+per batch, times T. Results are released at the modeled batch end; once all of
+a token-layer's jobs here are released, their gate-weighted sum goes to the
+aggregator (PARTIAL). The dense part of a layer is a job in the same stream.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ...steps import DENSE, Job
+from ..stream import Work
+from ..wire import DType, Frame, Hidden, Partial, Ran
+
+
+@dataclass
+class Participation:
+    """This server's share of one token-layer attempt."""
+
+    key: tuple  # (request, token, layer, seq)
+    msg: Hidden
+    jobs_left: int
+    partial: torch.Tensor
+    arrival: float  # model time the hidden state arrived
+    hidden: torch.Tensor | None = None  # the state as received: re-routed from here if the partial is lost
+    gpus: dict[int, bool] = field(default_factory=dict)  # assignment position -> ran on GPU
+
+
+class Compute:
+    """Owns ``parts`` (open participations) and the copy engine's ``_copy_free``."""
+
+    def _init_compute(self) -> None:
+        self.parts: dict[tuple, Participation] = {}
+        self._copy_free = 0.0  # wall time this server's copy engine is free of prefetches
+
+    def _on_hidden(self, frame: Frame, arrival: float) -> None:
+        h = frame.msg
+        key = (h.request, h.token, h.layer, h.seq)
+        x = frame.tensor().clone()
+        received = x
+        if h.aggregator == self.rank:
+            g = self._gather(key)
+            g.msg, g.hidden, g.opened = h, x, h.t_dispatch
+            self._maybe_complete(g)
+        mine = [(j, p.replica) for j, p in enumerate(h.assignment)
+                if self.dep.replicas[p.replica].server == self.rank]
+        if not mine:
+            return
+        if self.inrun is not None:  # gate weights from the real state, routing fixed (as replay)
+            x, w = self.inrun.expert_input(h.layer, x, [p.target for p in h.assignment])
+        else:
+            _, weights = self._routing(h.request, self._n_tokens(h.request, h))
+            w = weights[h.token, h.layer]
+        t_arr = (arrival - self.t0) / self.T
+        p = Participation(key, h, len(mine), torch.zeros(self.d), t_arr, hidden=received)
+        self.parts[key] = p
+        rid, index, prio = h.request, h.token, self._prio(h.request)
+        for j, r in mine:
+            self.stream.submit(Job(h.layer, r, (rid, index), rid, index, t_arr,
+                                   Work(x, p, float(w[j]), j), prio))
+
+    def _job_done(self, job: Job) -> None:
+        work: Work = job.owner
+        if job.replica == DENSE:  # the dense part ran: route the layer
+            tok, h, t_layer = work.owner
+            self._decide(tok, h, t_layer, 0)
+            return
+        p = work.owner
+        p.gpus[work.position] = job.gpu
+        p.partial += work.gate * work.x  # the expert output by now
+        p.jobs_left -= 1
+        if p.jobs_left:
+            return
+        self.parts.pop(p.key, None)
+        h = p.msg
+        out = Partial(src=self.rank, request=h.request, token=h.token, layer=h.layer, seq=h.seq,
+                      t_arrived=p.arrival, t_computed=self.now(),
+                      ran=tuple(Ran(j, bool(g)) for j, g in sorted(p.gpus.items())),
+                      dtype=DType.FLOAT32, shape=(self.d,))
+        agg = h.aggregator
+        why = f"partial output cannot reach server {agg}"
+        if not self._send(agg, self._hidden_frame(out, p.partial),
+                          lambda _, p=p, why=why: self._relayer(p.key, p.msg, p.hidden, why)):
+            self._relayer(p.key, h, p.hidden, why)  # re-route the layer from here
+
+    def _prefetch(self, replicas) -> None:
+        """Copies into this server's GPU on its copy engine (local replicas only)."""
+        t = time.monotonic()
+        free = self._copy_free
+        for r in replicas:
+            if self.dep.replicas[r].server != self.rank:
+                continue
+            start = max(t, free)
+            free = start + self._load_of(r) * self.T
+            self.loop.call_at(free, self.residency.on_prefetched, r)
+        self._copy_free = free
+
+    def _load_of(self, r: int) -> float:
+        rep = self.dep.replicas[r]
+        return self.core.world.load_s(rep.server, rep.precision)

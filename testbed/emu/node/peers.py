@@ -1,0 +1,106 @@
+"""Peers: the window broadcast, sending with acknowledgement, and liveness.
+
+Every window each worker sends its stream backlog to all reachable peers
+(STATE); views refresh from the latest snapshots at window boundaries. A cut
+link drops frames without an error, so each STATE also carries how many frames
+its sender has received from each peer (a cumulative acknowledgement), and
+every frame a token depends on is kept with a resolver until the peer
+acknowledges it. A peer whose connection breaks, or that is silent for
+``SILENT_WINDOWS`` windows, is lost (``faults``).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections import deque
+
+import torch
+
+from ..wire import Fail, Frame, Hidden, Partial, State, Token, tensor_frame
+
+SILENT_WINDOWS = 2  # a peer silent this many windows is lost (it sends STATE every window)
+
+
+class Peers:
+    """Owns ``peer_backlog``, ``last_heard``, ``reachable``, ``max_gap`` and ``unacked``."""
+
+    def _init_peers(self) -> None:
+        n = self.N
+        self.peer_backlog = [0.0] * n
+        self.last_heard = [0.0] * n
+        self.reachable = [True] * n
+        self.max_gap = [0.0] * n  # longest silence heard from each peer (wall s)
+        #: per peer: (frame number, resolver) of sent frames it has not acknowledged yet
+        self.unacked: dict[int, deque] = {p: deque() for p in range(n) if p != self.rank}
+
+    def _tick(self, window: int) -> None:
+        if self.stopping:
+            return
+        now_wall = time.monotonic()
+        backlog = self.stream.backlog()
+        got = self.net.received_frames
+        frame = Frame(State(self.rank, window, window * self.window, self.now(), float(backlog),
+                            tuple(self.reachable), tuple(got.get(p, 0) for p in range(self.N))))
+        for peer in range(self.N):
+            if peer != self.rank and self.reachable[peer]:
+                self._send(peer, frame)
+        silent = SILENT_WINDOWS * self.window * self.T
+        for peer in range(self.N):
+            if peer != self.rank and self.reachable[peer] and now_wall - self.last_heard[peer] > silent:
+                self._peer_lost(peer, f"silent for {SILENT_WINDOWS} windows")
+        snap = list(self.peer_backlog)
+        snap[self.rank] = backlog
+        self.view.refresh(window, window * self.window, snap, list(self.reachable))
+        self._check_timeouts()
+        self.loop.call_at(self.wall((window + 1) * self.window), self._tick, window + 1)
+
+    def _send(self, dst: int, frame: Frame, resolve=None) -> bool:
+        """Send ``frame``; ``resolve(dst)`` runs if ``dst`` is lost before acknowledging it."""
+        if dst == self.rank:
+            self.loop.call_soon(self._on_frame, frame, time.monotonic())
+            return True
+        if not self.reachable[dst]:  # lost: a cut link would swallow the frame without an error
+            return False
+        ok = self.net.send(dst, frame)
+        if ok:
+            self.stats["frames_out"] += 1
+            if resolve is not None:
+                self.unacked[dst].append((self.net.sent_frames[dst], resolve))
+        return ok
+
+    def _acked(self, src: int, received: tuple[int, ...]) -> None:
+        n = received[self.rank] if self.rank < len(received) else 0
+        q = self.unacked.get(src)
+        while q and q[0][0] <= n:
+            q.popleft()
+
+    def _hidden_frame(self, msg: Hidden | Partial | Token, t: torch.Tensor) -> Frame:
+        """Callers build ``msg`` with dtype FLOAT32 and shape (d,) so no copy of it is made;
+        the body is padded to the real model's hidden-state size."""
+        return tensor_frame(msg, t, pad_to=self.hidden_bytes)
+
+    def _on_frame(self, frame: Frame, arrival: float) -> None:
+        if self.stopping:
+            return
+        m = frame.msg
+        if 0 <= m.src < self.N:
+            gap = arrival - self.last_heard[m.src]
+            if gap > self.max_gap[m.src]:
+                self.max_gap[m.src] = gap
+            self.last_heard[m.src] = arrival
+        try:
+            if isinstance(m, Hidden):
+                self._on_hidden(frame, arrival)
+            elif isinstance(m, Partial):
+                self._on_partial(frame, arrival)
+            elif isinstance(m, Token):
+                self._on_token(frame)
+            elif isinstance(m, State):
+                self.peer_backlog[m.src] = m.backlog_s
+                if m.received:
+                    self._acked(m.src, m.received)
+            elif isinstance(m, Fail):
+                self._on_fail(m)
+        except Exception:  # one bad token must not take the server down
+            self._log("error handling a frame:\n" + traceback.format_exc())

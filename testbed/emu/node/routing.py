@@ -1,0 +1,160 @@
+"""Routing at the token's residing server: the dense part, the decision on this
+server's own ``StateView``, and the fan-out of the hidden state (one HIDDEN frame
+per participant and the aggregator, each carrying the whole assignment).
+
+A hidden state that cannot be delivered, or a layer whose partial is lost, is
+routed again from the server holding the state: at most two retries per layer,
+as in the simulator; the third loss fails the token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from hetroute.state import TokenView, Unroutable
+
+from ...core import Routed
+from ...steps import DENSE, Job
+from ..stream import Work
+from ..wire import DType, Hidden, Pick, Token
+
+ROUTING_CACHE = 4096  # requests whose trace routing is kept
+
+
+class Routing:
+    """Owns ``routing_cache``, ``cpu_free``, ``decision_cpu`` and ``relayered``."""
+
+    def _init_routing(self) -> None:
+        self.routing_cache: dict[int, tuple] = {}
+        self.cpu_free = 0.0  # model time this server's CPU is free of routing decisions
+        self.decision_cpu: list[float] = []  # measured CPU seconds per decision (wall, not dilated)
+        self.relayered: set[tuple] = set()  # token-layer attempts already re-routed or failed here
+
+    def _routing(self, rid: int, n_tokens: int):
+        """(global expert ids [token][layer][k], gate weights) of a request, from the trace."""
+        got = self.routing_cache.get(rid)
+        if got is None:
+            r = self.setup.routing(rid, n_tokens)
+            E = self.setup.shape.experts_per_layer
+            glob = np.asarray(r.experts) + (np.arange(self.L) * E)[None, :, None]
+            got = (glob.tolist(), np.asarray(r.weights, dtype=np.float32))
+            self.routing_cache[rid] = got
+            if len(self.routing_cache) > ROUTING_CACHE:
+                del self.routing_cache[next(iter(self.routing_cache))]  # the oldest
+        return got
+
+    def _n_tokens(self, rid: int, tok: Token | Hidden) -> int:
+        rq = self.setup.requests[rid] if rid < len(self.setup.requests) else None
+        return rq.prompt_tokens + rq.gen_tokens if rq is not None else int(tok.token) + 1
+
+    def _prio(self, rid: int) -> float:
+        """The request's arrival: older requests first in every step (steps.py)."""
+        rq = self.setup.requests[rid] if 0 <= rid < len(self.setup.requests) else None
+        return rq.arrival_s if rq is not None else 0.0
+
+    def _begin_layer(self, tok: Token, h: torch.Tensor) -> None:
+        t_layer = self.now()
+        if self.inrun is not None:  # the layer's attention (and dense block) runs here
+            h = self.inrun.attend(tok.request, tok.token, tok.layer, h)
+        if not self.hardware:  # the paper's world: a per-token delay outside the stream
+            self.loop.call_at(self.wall(t_layer + self.dense_s), self._decide, tok, h, t_layer, 0)
+            return
+        rid, index = tok.request, tok.token
+        self.stream.submit(Job(tok.layer, DENSE, (rid, index), rid, index, t_layer,
+                               Work(owner=(tok, h, t_layer)), self._prio(rid)))
+
+    def _decide(self, tok: Token, h: torch.Tensor, t_layer: float, retries: int) -> None:
+        if self.stopping:
+            return
+        t_dec = self.now()
+        rid, index, layer = tok.request, tok.token, tok.layer
+        n_tok = self._n_tokens(rid, tok)
+        targets = tuple(self._routing(rid, n_tok)[0][index][layer])
+        tv = TokenView(rid, index, tok.home, self.spec.quality.budget, server=self.rank,
+                       layer=layer, lam_acc=float(tok.lam_acc), now=t_dec)
+        tv.ctx = tuple(tok.router_ctx) if tok.router_ctx else None
+        try:
+            routed = self.core.decide(self.decider, self.residency, self.view, tv, targets,
+                                      self._true_backlog)
+        except Unroutable as err:
+            self._token_failed(tok, str(err))
+            return
+        # the decision's measured CPU time is emulated time, not divided by T: the
+        # dispatch waits for it, behind earlier decisions of this server's CPU
+        self.decision_cpu.append(routed.decision_s)
+        start = self.cpu_free if self.cpu_free > t_dec else t_dec
+        self.cpu_free = t_disp = start + routed.decision_s
+        if self.wall(t_disp) > time.monotonic():
+            self.loop.call_at(self.wall(t_disp), self._dispatch, tok, h, t_layer, retries,
+                              tv, routed, t_dec, t_disp)
+        else:
+            self._dispatch(tok, h, t_layer, retries, tv, routed, t_dec, t_disp)
+
+    def _true_backlog(self, n: int) -> float:
+        return self.stream.backlog() if n == self.rank else self.peer_backlog[n]
+
+    def _dispatch(self, tok: Token, h: torch.Tensor, t_layer: float, retries: int,
+                  tv: TokenView, routed: Routed, t_dec: float, t_disp: float) -> None:
+        if self.stopping:
+            return
+        a = routed.assignment
+        if a.prefetch:
+            self._prefetch(a.prefetch)
+        participants = sorted(routed.per_server)
+        rid, index, layer = tv.request, tv.index, tv.layer
+        out = Hidden(
+            src=self.rank, request=rid, token=index, layer=layer, seq=tok.seq + 1 + retries,
+            retries=retries, home=tok.home, aggregator=int(a.next_server),
+            n_participants=len(participants), lam_acc=float(tok.lam_acc), t_layer=t_layer,
+            t_dispatch=t_disp, view_age_us=int(round(routed.view_age_s * 1e6)),
+            backlog_err_us=int(round(routed.backlog_err_s * 1e6)),
+            decision_us=int(round((t_disp - t_dec) * 1e6)),
+            assignment=tuple(Pick(int(e), int(r), int(m))
+                             for e, r, m in zip(a.targets, a.replicas, a.modes)),
+            router_ctx=tuple(tv.ctx) if tv.ctx else (), dtype=DType.FLOAT32, shape=(self.d,))
+        frame = self._hidden_frame(out, h)
+        key = (rid, index, layer, out.seq)
+
+        def lost(peer: int) -> None:  # the state never reached ``peer``: route again from here
+            self._relayer(key, out, h, f"server {self.setup.cluster.names[peer]} lost")
+        # the aggregator needs the state even where it runs none of the targets
+        # (a whole-layer pipeline such as EdgeShard aggregates away from its experts)
+        for n in sorted(set(participants) | {int(a.next_server)}):
+            if not self._send(n, frame, lost):
+                self.relayered.add(key)  # retried below; what was sent of it is stale
+                self.view.alive[n] = False
+                self.view.faultless = False
+                if retries < 2:
+                    self.stats["retries"] += 1
+                    self.loop.call_at(self.wall(self.now() + self.window), self._decide, tok, h,
+                                      t_layer, retries + 1)
+                else:
+                    self._token_failed(tok, f"cannot reach server {n}")
+                return
+
+    def _participants(self, h: Hidden) -> set[int]:
+        return {self.dep.replicas[p.replica].server for p in h.assignment}
+
+    def _reroute(self, g, why: str) -> None:
+        """A participant or partial is lost: route the layer again from here."""
+        self.gathers.pop(g.key, None)
+        if g.msg is not None:
+            self._relayer(g.key, g.msg, g.hidden, why)
+
+    def _relayer(self, key: tuple, h: Hidden, hidden: torch.Tensor | None, why: str) -> None:
+        """Route attempt ``key`` (sent as ``h``, with its state) again from this server, once;
+        the third loss of one layer fails the token, as in the simulator."""
+        if key in self.relayered or hidden is None or self.stopping:
+            return
+        self.relayered.add(key)
+        self.gathers.pop(key, None)
+        if h.retries >= 2:
+            self._token_failed(h, why)
+            return
+        self.stats["retries"] += 1
+        tok = Token(src=self.rank, request=h.request, token=h.token, layer=h.layer, seq=h.seq,
+                    home=h.home, lam_acc=h.lam_acc, final=False, router_ctx=h.router_ctx)
+        self._decide(tok, hidden, h.t_layer, h.retries + 1)
