@@ -63,6 +63,7 @@ class Step:
     replicas: int  # active replicas
     tokens: int  # distinct tokens
     loads: int  # CPU-resident replicas loaded over PCIe
+    expert_jobs: int = 0  # jobs that are not a dense part
 
 
 class StepScheduler:
@@ -203,7 +204,7 @@ class StepScheduler:
                 self._head[key] = min((j.prio, j.seq) for j in rest)
             else:
                 del self._head[key]
-        dur, nrep, loads = self._cost(taken)
+        dur, nrep, loads, experts = self._cost(taken)
         if self.scope == "layer":
             pend, layer = self._pending[key], key
             for j in taken:
@@ -221,10 +222,11 @@ class StepScheduler:
         self.free_at = now + dur
         self.steps += 1
         self.jobs_run += len(taken)
-        return Step(taken, now, dur, taken[0].layer, nrep, len(tokens), loads)
+        return Step(taken, now, dur, taken[0].layer, nrep, len(tokens), loads, experts)
 
-    def _cost(self, jobs: list[Job]) -> tuple[float, int, int]:
-        """Stream seconds of a step; marks each job with the tier its replica ran from."""
+    def _cost(self, jobs: list[Job]) -> tuple[float, int, int, int]:
+        """Stream seconds, active replicas, loads and expert jobs of a step; marks each job
+        with the tier its replica ran from."""
         svc, n = self.svc, self.n
         counts: dict[int, int] = {}
         for j in jobs:
@@ -252,7 +254,7 @@ class StepScheduler:
                 j.gpu = tier[j.replica]
         if DENSE in counts:  # a request's KV cache is read once per step
             dur += svc.dense_s(n, counts[DENSE], attn, sum(per_request.values()))
-        return dur, len(tier), loads
+        return dur, len(tier), loads, len(jobs) - counts.get(DENSE, 0)
 
     def finish(self) -> None:
         self.busy = False
