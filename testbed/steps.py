@@ -92,29 +92,40 @@ class StepScheduler:
         self._seq = 0
         self.steps = 0
         self.jobs_run = 0
+        #: the scope's queueing rule, picked once (a backend submits every job through it)
+        self.submit = self._submit_layer if scope == "layer" else self._submit_replica
 
     # -- queueing ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        """Queue a job by the scope's rule (``__init__`` binds the rule to the instance,
+        which skips this hop on the hot path)."""
+        (self._submit_layer if self.scope == "layer" else self._submit_replica)(job)
+
+    def _submit_replica(self, job: Job) -> None:
         self._seq += 1
-        job.seq = seq = self._seq
-        layer_scope = self.scope == "layer"
-        key = job.layer if layer_scope else job.replica
-        group = self.queue.get(key)
+        job.seq = self._seq
+        r = job.replica
+        group = self.queue.get(r)
         if group is None:
-            self.queue[key] = [job]
+            self.queue[r] = [job]
         else:
             group.append(job)
-        if layer_scope:
-            head = self._head.get(key)
-            if head is None or job.prio < head[0] or (job.prio == head[0] and seq < head[1]):
-                self._head[key] = (job.prio, seq)
+        p = self.precision_of(r)
+        self.queued_s += self.svc.expert_s(self.n, p, 1) + (
+            0.0 if group is not None or self.resident(r) else self.svc.load_s(self.n, p))
+
+    def _submit_layer(self, job: Job) -> None:
+        self._seq += 1
+        job.seq = seq = self._seq
+        layer, r, prio = job.layer, job.replica, job.prio
+        group = self.queue.get(layer)
+        if group is None:
+            self.queue[layer] = [job]
         else:
-            r = job.replica
-            p = self.precision_of(r)
-            self.queued_s += self.svc.expert_s(self.n, p, 1) + (
-                0.0 if group is not None or self.resident(r) else self.svc.load_s(self.n, p))
-            return
-        layer, r = job.layer, job.replica
+            group.append(job)
+        head = self._head.get(layer)
+        if head is None or prio < head[0] or (prio == head[0] and seq < head[1]):
+            self._head[layer] = (prio, seq)
         pend = self._pending.get(layer)
         if pend is None:
             pend = self._pending[layer] = {}
