@@ -23,6 +23,9 @@ MODELS = ("paper", "hardware")
 #: A100 (Gen4 x16) and V100 (Gen3 x16) by CSCS's ReFrame reference values
 #: (reframe-hpc/reframe, cscs-checks/microbenchmarks/gpu/memory_bandwidth).
 PCIE_EFFICIENCY = 0.8
+#: Dense-part times a HardwareService keeps (a step scheduler asks for the same few
+#: (tokens, positions) again and again); the memo starts over when full.
+DENSE_MEMO = 1 << 16
 
 
 class ServiceModel:
@@ -82,6 +85,7 @@ class HardwareService(ServiceModel):
         self.devices: list[Device] = [cluster.device(n) for n in range(cluster.n)]
         #: [server][precision] -> times by token count, filled on demand
         self._memo: list[list[list[float]]] = [[[0.0] for _ in Precision] for _ in range(cluster.n)]
+        self._dense_memo: dict[tuple[int, int, int, int], float] = {}
 
     def expert_s(self, server: int, precision: Precision, tokens: int = 1) -> float:
         tab = self._memo[server][precision]
@@ -92,6 +96,16 @@ class HardwareService(ServiceModel):
 
     def dense_s(self, server: int, tokens: int = 1, attn_positions: int = 0,
                 kv_positions: int = 0) -> float:
+        key = (server, tokens, attn_positions, kv_positions)
+        memo = self._dense_memo
+        got = memo.get(key)
+        if got is None:
+            if len(memo) >= DENSE_MEMO:
+                memo.clear()
+            got = memo[key] = self._dense_s(server, tokens, attn_positions, kv_positions)
+        return got
+
+    def _dense_s(self, server: int, tokens: int, attn_positions: int, kv_positions: int) -> float:
         if tokens < 1:
             return 0.0
         sh = self.shape

@@ -112,12 +112,13 @@ class TokenLayerCore:
         is_gpu, sg, ag, ac = residency.is_gpu, self.static_gpu, self.admit_gpu, self.admit_cpu
         for r in a.replicas:  # line 27 of Algorithm 2 (StateView.admit), in the decider's belief
             n = rs[r]
-            until = now + bl[n]
+            b = bl.item(n)  # a Python float: numpy scalar arithmetic costs more, same IEEE result
+            until = now + b
             if until > pend.get(r, -1.0):
                 pend[r] = until
             gpu = is_gpu(r) if n == theta else sg[r]
             w = ag[r] if gpu else ac[r]
-            bl[n] += w
+            bl[n] = b + w
             adm[n] += w
         dq = self.increment(a.targets, a.replicas)
         d = a.dq - dq

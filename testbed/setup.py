@@ -37,6 +37,8 @@ from .spec import ExperimentSpec, GeneratedTopology, SpecError
 
 #: How a cached decision time was timed; an entry timed another way is timed again.
 DECISION_METHOD = f"median of {DECISION_SAMPLES} fastest-of-{DECISION_REPEATS}"
+#: Tokens routed in one ``request_targets`` batch at most (a few MB of arrays per batch).
+TARGETS_BATCH_TOKENS = 4096
 
 
 @dataclass
@@ -59,9 +61,14 @@ class RunSetup:
     decision_s: float = 0.0
     #: task of each request id this run generated (derived from ``requests``)
     tasks: dict[int, int] = field(init=False, repr=False)
+    #: position of each request id in ``requests`` (arrival order)
+    order: dict[int, int] = field(init=False, repr=False)
+    #: (request id, tokens) -> targets routed ahead of their request (``request_targets``)
+    ahead: dict[tuple[int, int], list] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tasks = {rq.id: rq.task for rq in self.requests}
+        self.order = {rq.id: i for i, rq in enumerate(self.requests)}
 
     def task_of(self, rid: int) -> int:
         """The task of request ``rid`` (0 for ids this run did not generate)."""
@@ -72,11 +79,42 @@ class RunSetup:
         return self.trace.route(rid, n_tokens, self.task_of(rid))
 
     def request_targets(self, rid: int, n_tokens: int) -> list[tuple[tuple[int, ...], ...]]:
-        """Per token, per layer: the gated experts as global ids."""
-        local = np.asarray(self.routing(rid, n_tokens).experts)
+        """Per token, per layer: the gated experts as global ids.
+
+        A synthetic trace routes the next requests of the same length in the same call
+        (``SyntheticTrace.route_many``: the numpy work per request is many tiny calls, a
+        batch shares them) and hands each out once; the result is what ``routing`` gives."""
+        got = self.ahead.pop((rid, n_tokens), None)
+        if got is not None:
+            return got
+        trace = self.trace
+        if not isinstance(trace, SyntheticTrace):
+            return self._global(np.asarray(self.routing(rid, n_tokens).experts)[None])[0]
+        ids = self._batch(rid, n_tokens)
+        routed = trace.route_many(ids, n_tokens, [self.task_of(i) for i in ids])
+        out = self._global(np.stack([r.experts for r in routed]))
+        for i, targets in zip(ids[1:], out[1:]):
+            self.ahead[(i, n_tokens)] = targets
+        return out[0]
+
+    def _batch(self, rid: int, n_tokens: int, max_tokens: int = TARGETS_BATCH_TOKENS) -> list[int]:
+        """``rid`` and the requests after it (arrival order) of the same length not yet routed,
+        up to ``max_tokens`` tokens in all (bounds the batch's arrays)."""
+        ids = [rid]
+        pos = self.order.get(rid)
+        if pos is None:
+            return ids
+        room = max_tokens // max(n_tokens, 1)  # looks at as many requests as fit at most
+        for rq in self.requests[pos + 1:pos + room]:
+            if rq.prompt_tokens + rq.gen_tokens == n_tokens and (rq.id, n_tokens) not in self.ahead:
+                ids.append(rq.id)
+        return ids
+
+    def _global(self, local: np.ndarray) -> list[list[tuple[tuple[int, ...], ...]]]:
+        """(requests, tokens, L, k) local expert ids -> per request, token, layer: global ids."""
         E = self.shape.experts_per_layer
-        glob = local + (np.arange(self.shape.n_layers) * E)[None, :, None]
-        return [tuple(tuple(layer) for layer in tok) for tok in glob.tolist()]
+        glob = local + (np.arange(self.shape.n_layers) * E)[None, None, :, None]
+        return [[tuple(tuple(layer) for layer in tok) for tok in req] for req in glob.tolist()]
 
 
 def make_trace(model: ModelSpec, source: str, params: dict | None, seed: int,

@@ -63,6 +63,7 @@ class Step:
     replicas: int  # active replicas
     tokens: int  # distinct tokens
     loads: int  # CPU-resident replicas loaded over PCIe
+    expert_jobs: int = 0  # jobs that are not a dense part
 
 
 class StepScheduler:
@@ -91,29 +92,40 @@ class StepScheduler:
         self._seq = 0
         self.steps = 0
         self.jobs_run = 0
+        #: the scope's queueing rule, picked once (a backend submits every job through it)
+        self.submit = self._submit_layer if scope == "layer" else self._submit_replica
 
     # -- queueing ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        """Queue a job by the scope's rule (``__init__`` binds the rule to the instance,
+        which skips this hop on the hot path)."""
+        (self._submit_layer if self.scope == "layer" else self._submit_replica)(job)
+
+    def _submit_replica(self, job: Job) -> None:
         self._seq += 1
-        job.seq = seq = self._seq
-        layer_scope = self.scope == "layer"
-        key = job.layer if layer_scope else job.replica
-        group = self.queue.get(key)
+        job.seq = self._seq
+        r = job.replica
+        group = self.queue.get(r)
         if group is None:
-            self.queue[key] = [job]
+            self.queue[r] = [job]
         else:
             group.append(job)
-        if layer_scope:
-            head = self._head.get(key)
-            if head is None or job.prio < head[0] or (job.prio == head[0] and seq < head[1]):
-                self._head[key] = (job.prio, seq)
+        p = self.precision_of(r)
+        self.queued_s += self.svc.expert_s(self.n, p, 1) + (
+            0.0 if group is not None or self.resident(r) else self.svc.load_s(self.n, p))
+
+    def _submit_layer(self, job: Job) -> None:
+        self._seq += 1
+        job.seq = seq = self._seq
+        layer, r, prio = job.layer, job.replica, job.prio
+        group = self.queue.get(layer)
+        if group is None:
+            self.queue[layer] = [job]
         else:
-            r = job.replica
-            p = self.precision_of(r)
-            self.queued_s += self.svc.expert_s(self.n, p, 1) + (
-                0.0 if group is not None or self.resident(r) else self.svc.load_s(self.n, p))
-            return
-        layer, r = job.layer, job.replica
+            group.append(job)
+        head = self._head.get(layer)
+        if head is None or prio < head[0] or (prio == head[0] and seq < head[1]):
+            self._head[layer] = (prio, seq)
         pend = self._pending.get(layer)
         if pend is None:
             pend = self._pending[layer] = {}
@@ -203,7 +215,7 @@ class StepScheduler:
                 self._head[key] = min((j.prio, j.seq) for j in rest)
             else:
                 del self._head[key]
-        dur, nrep, loads = self._cost(taken)
+        dur, nrep, loads, experts = self._cost(taken)
         if self.scope == "layer":
             pend, layer = self._pending[key], key
             for j in taken:
@@ -221,10 +233,11 @@ class StepScheduler:
         self.free_at = now + dur
         self.steps += 1
         self.jobs_run += len(taken)
-        return Step(taken, now, dur, taken[0].layer, nrep, len(tokens), loads)
+        return Step(taken, now, dur, taken[0].layer, nrep, len(tokens), loads, experts)
 
-    def _cost(self, jobs: list[Job]) -> tuple[float, int, int]:
-        """Stream seconds of a step; marks each job with the tier its replica ran from."""
+    def _cost(self, jobs: list[Job]) -> tuple[float, int, int, int]:
+        """Stream seconds, active replicas, loads and expert jobs of a step; marks each job
+        with the tier its replica ran from."""
         svc, n = self.svc, self.n
         counts: dict[int, int] = {}
         for j in jobs:
@@ -252,7 +265,7 @@ class StepScheduler:
                 j.gpu = tier[j.replica]
         if DENSE in counts:  # a request's KV cache is read once per step
             dur += svc.dense_s(n, counts[DENSE], attn, sum(per_request.values()))
-        return dur, len(tier), loads
+        return dur, len(tier), loads, len(jobs) - counts.get(DENSE, 0)
 
     def finish(self) -> None:
         self.busy = False

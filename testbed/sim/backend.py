@@ -26,6 +26,7 @@ Views are refreshed from the true stream backlogs at every window boundary
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -129,22 +130,25 @@ class SimBackend:
         self.snapshot = [0.0] * N
         self.snap_window = 0
         self.alive = [True] * N
+        self.intact = True  # no fault yet: every message gets through (``reachable``'s fast path)
         self.link_up: list[list[bool]] | None = None  # None until a link is cut
         self.max_retries = 2
         self.names = {name: i for i, name in enumerate(cl.names)}
         # events
         self.heap: list = []
-        self.seq = 0
+        #: tie-breaker of events at one instant: the order they were scheduled in
+        self.next_seq = itertools.count(1).__next__
         self.now = 0.0
         self.stats = SimStats()
 
     # -- event plumbing -------------------------------------------------------
     def at(self, t: float, fn, arg) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, fn, arg))
+        heapq.heappush(self.heap, (t, self.next_seq(), fn, arg))
 
     def reachable(self, m: int, n: int) -> bool:
         """Whether a message m -> n gets through (truth, not a view)."""
+        if self.intact:
+            return True
         if not self.alive[n] or not self.alive[m]:
             return False
         lu = self.link_up
@@ -212,6 +216,7 @@ class SimBackend:
         refresh, or at once when a send of theirs fails; work queued on a dead
         server is lost and its tokens are re-routed from where they reside."""
         n = self.names.get(f.server) if f.server else None
+        self.intact = False
         if f.kind == "kill_worker":
             if n is None:
                 raise ValueError(f"fault: unknown server {f.server!r}")
@@ -270,8 +275,7 @@ class SimBackend:
         tok.t_layer = t
         theta = tok.view.server
         if not self.hardware:  # the paper's world: a per-token delay outside the stream
-            self.seq += 1
-            heapq.heappush(self.heap, (t + self.dense_delay[theta], self.seq, self._decide, tok))
+            heapq.heappush(self.heap, (t + self.dense_delay[theta], self.next_seq(), self._decide, tok))
             return
         tv = tok.view
         self.sched[theta].submit(Job(tv.layer, DENSE, tok, tv.request, tv.index, t,
@@ -344,8 +348,7 @@ class SimBackend:
                 nbytes += self.msg_bytes
                 if arr > fan_out_end:
                     fan_out_end = arr
-                self.seq += 1
-                heapq.heappush(self.heap, (arr, self.seq, self._jobs_arrive, (n, jobs)))
+                heapq.heappush(self.heap, (arr, self.next_seq(), self._jobs_arrive, (n, jobs)))
         tok.fan_out_end = fan_out_end
         tok.bytes = nbytes
 
@@ -385,8 +388,7 @@ class SimBackend:
             self._start_step(n)
         elif not self.kick_pending[n] and not self.sched[n].busy:
             self.kick_pending[n] = True
-            self.seq += 1
-            heapq.heappush(self.heap, (self.now, self.seq, self._start_step, n))
+            heapq.heappush(self.heap, (self.now, self.next_seq(), self._start_step, n))
 
     def _start_step(self, n: int) -> None:
         """Start the next step on n's stream if it is free and has work."""
@@ -402,9 +404,8 @@ class SimBackend:
                 self.at(ready, self._wake, n)
             return
         step = sc.take(t)
-        self.stats.coalesced_jobs += sum(1 for j in step.jobs if j.replica != DENSE) - step.replicas
-        self.seq += 1
-        heapq.heappush(self.heap, (t + step.duration, self.seq, self._step_done, (n, step.jobs)))
+        self.stats.coalesced_jobs += step.expert_jobs - step.replicas
+        heapq.heappush(self.heap, (t + step.duration, self.next_seq(), self._step_done, (n, step.jobs)))
 
     def _wake(self, n: int) -> None:
         self.wake_at[n] = -1.0
@@ -448,8 +449,7 @@ class SimBackend:
                     if tok.fan_in_end <= t:
                         self._layer_done(tok)
                     else:
-                        self.seq += 1
-                        heapq.heappush(self.heap, (tok.fan_in_end, self.seq, self._layer_done_at,
+                        heapq.heappush(self.heap, (tok.fan_in_end, self.next_seq(), self._layer_done_at,
                                                    (tok, tok.attempt)))
         self._kick(n)
 
