@@ -299,11 +299,14 @@ def _router_failed(name: str, stage: str, err: BaseException) -> SpecError:
 
 
 def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
-                placement_cache: Path | None = None) -> RunSetup:
+                placement_cache: Path | None = None, deployment_file: Path | None = None) -> RunSetup:
     """Build everything up to and including placement; raises SpecError on bad input.
 
     With ``placement_cache``, a deployment computed before for the same inputs
     (everything placement depends on, hashed) is reused instead of placed again.
+    With ``deployment_file`` (``save_deployment``: what the emulator's runner placed), that
+    deployment is used as it is; a router that cannot rebuild its state from a deployment
+    alone (``cacheable_placement = False``) places again and must get the same one.
     """
     checked = check_spec(spec, base_dir)
     spec, topo, cluster, model, cls = (checked.spec, checked.topology, checked.cluster,
@@ -338,11 +341,15 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
     except Exception as err:  # noqa: BLE001 - a router's own code: reported, not trusted
         raise _router_failed(spec.router.name, "__init__", err) from None
     t0 = time.perf_counter()
+    given = load_deployment(deployment_file, shape, cluster.n) if deployment_file else None
     cached = _cache_file(spec, topo, placement_cache, cls) \
-        if placement_cache and cls.cacheable_placement else None
+        if placement_cache and cls.cacheable_placement and given is None else None
     timed = None
-    if cached is not None and cached.exists():
-        deployment, router.placement_report, timed = _load_placement(cached, shape, cluster.n)
+    if given is not None and cls.cacheable_placement:
+        deployment, router.placement_report, _ = given
+        router.placement_report = {**router.placement_report, "given": str(deployment_file)}
+    elif cached is not None and cached.exists():
+        deployment, router.placement_report, timed = load_deployment(cached, shape, cluster.n)
         router.placement_report = {**router.placement_report, "cached": True}
     else:
         try:
@@ -352,6 +359,9 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
                             f"{err}") from None
         except Exception as err:  # noqa: BLE001
             raise _router_failed(spec.router.name, "place()", err) from None
+    if given is not None and deployment.replicas != given[0].replicas:
+        raise SpecError(f"router.name: {spec.router.name} placed differently than the deployment "
+                        f"it was given ({deployment_file}): its place() must be a function of the spec")
     try:
         deployment.check(shape, budget, cluster)
     except ConstraintViolation as err:
@@ -373,7 +383,7 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
         decision_s = timed["decision_s"]
         notes["decision_s_calibrated"] = decision_s
     if fresh:
-        _save_placement(cached, deployment, router.placement_report, timed)
+        save_deployment(cached, deployment, router.placement_report, timed)
     return RunSetup(spec=spec, topology=topo, cluster=cluster, model=model, shape=shape,
                     quality=quality, users=users, requests=requests, trace=trace, problem=problem,
                     router=router, deployment=deployment, placement_s=time.perf_counter() - t0,
@@ -430,7 +440,9 @@ def _code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def _save_placement(path: Path, dep: Deployment, report: dict, timed: dict | None = None) -> None:
+def save_deployment(path: Path, dep: Deployment, report: dict, timed: dict | None = None) -> None:
+    """A deployment as JSON: the placement cache's entry, and the file the emulator's runner
+    hands its workers (``build_setup(..., deployment_file=...)``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"replicas": [[r.expert, r.server, int(r.precision), bool(r.gpu)] for r in dep.replicas],
             "report": {k: v for k, v in report.items() if k != "cached"}, "decision": timed}
@@ -439,7 +451,7 @@ def _save_placement(path: Path, dep: Deployment, report: dict, timed: dict | Non
     os.replace(tmp, path)
 
 
-def _load_placement(path: Path, shape: MoEShape, n_servers: int
+def load_deployment(path: Path, shape: MoEShape, n_servers: int
                     ) -> tuple[Deployment, dict, dict | None]:
     data = json.loads(path.read_text())
     reps = tuple(Replica(e, n, Precision(c), g) for e, n, c, g in data["replicas"])

@@ -197,3 +197,41 @@ def test_decision_calibration_keeps_each_decisions_fastest_pass():
     assert calibrate_decision_s(s.router, samples=64, repeats=3, clock=clock) == 2e-6
     calls.update(n=0, t=0.0)
     assert calibrate_decision_s(s.router, samples=64, repeats=1, clock=clock) == 2e-5  # one pass: the loaded one
+
+
+def test_a_given_deployment_is_run_as_it_is_and_a_non_cacheable_router_must_match_it(
+        tmp_path, monkeypatch):
+    """The emulator's workers run the deployment the runner placed (deployment.json), not a
+    placement of their own or a cache entry found by hashing their inputs."""
+    from hetroute.deployment import Deployment
+    from hetroute.system import FULL_PRECISION
+    from testbed.setup import save_deployment
+    from testbed.spec import SpecError
+
+    def one_exact_copy(dep: Deployment) -> Deployment:  # still valid: c.4 holds
+        first = {}
+        for r in dep.replicas:
+            if r.precision == FULL_PRECISION and r.expert not in first:
+                first[r.expert] = r
+        return Deployment(tuple(first.values()), dep.n_experts, dep.n_servers)
+
+    placed = build_setup(parse_spec(TINY)).deployment
+    given = one_exact_copy(placed)
+    assert given.replicas != placed.replicas  # HetRoute replicates: the two differ
+    path = tmp_path / "deployment.json"
+    save_deployment(path, given, {"note": "the runner's"})
+    got = build_setup(parse_spec(TINY), deployment_file=path)
+    assert got.deployment.replicas == given.replicas
+    assert got.router.placement_report["given"] == str(path)
+
+    mod = tmp_path / "fresh_probe.py"  # a router that cannot be handed a deployment
+    mod.write_text("from examples.nearest_replica import NearestReplica\n\n"
+                   "class Fresh(NearestReplica):\n    name = 'fresh'\n    cacheable_placement = False\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = parse_spec({**TINY, "router": {"name": "fresh_probe:Fresh"}})
+    own = build_setup(spec).deployment
+    save_deployment(path, own, {})
+    assert build_setup(spec, deployment_file=path).deployment.replicas == own.replicas
+    save_deployment(path, Deployment(own.replicas[1:] + own.replicas[:1], own.n_experts, own.n_servers), {})
+    with pytest.raises(SpecError, match="placed differently"):
+        build_setup(spec, deployment_file=path)

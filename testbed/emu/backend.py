@@ -1,8 +1,8 @@
 """The emulation backend: one run on Mininet hosts with real workers and sockets.
 
-The runner (this process, as root) has already placed the deployment; it saves
-it into the run folder's placement cache so each worker, rebuilding the setup
-from the same spec, gets the identical deployment. Then it builds the network
+The runner (this process, as root) has already placed the deployment; it writes
+it to the run folder (``deployment.json``) and each worker, rebuilding the rest of
+the setup from the same spec, runs that deployment. Then it builds the network
 at dilation T, starts one worker per host, gives them a common start time on
 the machine's monotonic clock, injects the spec's faults at their (dilated)
 times, follows progress, stops the workers and reconciles the records: a
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..progress import RequestProgress
 from ..records import RecordWriter, read_records
-from ..setup import RunSetup, _cache_file, _save_placement
+from ..setup import RunSetup, save_deployment
 from .dilation import choose_dilation
 from .hosts import EmulatedNetwork
 from .hosts.names import WORKER_MARK
@@ -55,9 +55,8 @@ class EmuBackend:
             from workloads.proxy.data import load_corpus  # lazy: torch (~1 s), only for inrun
             from workloads.proxy.trace import trace_proxy
             trace_proxy(Path(spec.workload.trace), load_corpus())
-        cache = out / "placement"
-        _save_placement(_cache_file(spec, s.topology, cache, type(s.router)), s.deployment,
-                        s.router.placement_report)
+        deployment_file = out / "deployment.json"  # every worker runs this placement
+        save_deployment(deployment_file, s.deployment, s.router.placement_report)
         spec_file = out / "spec.resolved.yaml"
         if not spec_file.exists():
             spec_file.write_text(spec.to_yaml())
@@ -75,7 +74,7 @@ class EmuBackend:
             procs, lines = [], queue.Queue()
             for rank in range(cl.n):
                 cfg = {"rank": rank, "run_dir": str(out), "spec_file": str(spec_file),
-                       "placement_cache": str(cache), "port": BASE_PORT,
+                       "deployment_file": str(deployment_file), "port": BASE_PORT,
                        "peers": {}, "world": cl.n,  # peers come from the rendezvous
                        "rendezvous": [net.addr(rank, 0) if rank else net.addr(1, 0), STORE_PORT],
                        "listen": {str(p): net.addr(p, rank) for p in range(cl.n) if p != rank},

@@ -1,8 +1,8 @@
 """One emulated server: ``python -m testbed.emu.worker --htr-worker CONFIG.json``.
 
-Runs inside its Mininet host. It rebuilds the run's setup from the spec (the
-placement comes from the run's placement cache, so every worker and the runner
-hold the same deployment), hosts its replicas as real scaled-down experts and
+Runs inside its Mininet host. It rebuilds the run's setup from the spec and runs
+the deployment the runner placed (``deployment.json`` in the run folder, so every
+worker and the runner hold the same one), hosts its replicas as real scaled-down experts and
 serves tokens exactly as the simulator models them. What it does is split by
 concern under ``testbed/emu/node/``: the residing server routes and fans out
 (``routing``), participants compute on the modeled GPU stream (``compute``),
@@ -60,7 +60,7 @@ class WorkerConfig:
     rank: int
     run_dir: str
     spec_file: str
-    placement_cache: str
+    deployment_file: str  # the runner's placement (testbed.setup.save_deployment)
     port: int
     peers: dict[int, tuple[str, int]]  # peer -> (its address on our link, port); {} with rendezvous
     delays_in: list[float]  # transport delay per source, seconds (dilated)
@@ -89,7 +89,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         self.rank = cfg.rank
         spec = parse_spec(yaml.safe_load(Path(cfg.spec_file).read_text()), cfg.spec_file)
         self.spec = spec
-        self.setup = build_setup(spec, Path(cfg.spec_file).parent, Path(cfg.placement_cache))
+        self.setup = build_setup(spec, Path(cfg.spec_file).parent, deployment_file=Path(cfg.deployment_file))
         s = self.setup
         self.N, self.L, self.k = s.cluster.n, s.shape.n_layers, s.shape.top_k
         self.T = float(cfg.dilation)
