@@ -30,8 +30,8 @@ Choices where the source is silent:
   (``hardware``: the roofline for one token). ``cost_model: paper`` gives the
   paper's (dense FLOPs + k w_E) / F_j.
   t_comm(k -> j) = d / B_kj plus the link's one-way delay, 0 when k = j.
-- The throughput-optimal DP variant is not implemented (the paper's latency
-  comparison uses the latency-optimal one).
+- This is the latency-optimal DP; the paper's throughput-optimal variant is the
+  router ``edgeshard-tp`` (``edgeshard_tp.py``).
 - Backend note: the dense part of layer 0 runs at the token's home (the
   backend runs it where the token resides); EdgeShard would run it on the
   source device. Hops are the same; only that one dense step moves.
