@@ -8,8 +8,8 @@ import importlib
 import json
 from pathlib import Path
 
-from testbed.capacity import describe, read_capacities
-from testbed.spec import ExperimentSpec
+from testbed.capacity import criterion, describe, read_capacities
+from testbed.spec import parse_spec
 from testbed.sweep import figure_path, load_figure
 
 from .claims import evaluate_all
@@ -46,7 +46,7 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path,
     figure = module.render(data)
     capacity = capacities(spec, results, physics)
     if capacity:
-        figure.text(0.01, 0.005, capacity_line(capacity, spec), ha="left", fontsize=6, color="grey")
+        figure.text(0.01, 0.005, capacity_line(capacity), ha="left", fontsize=6, color="grey")
     seeds = sorted(set(int(x) for x in data.runs.seed)) if not data.runs.empty else []
     figure.text(0.99, 0.005, f"{backend}/{scale}, physics: {physics}: {len(data.runs)} runs"
                 + (f", {data.missing} missing" if data.missing else "")
@@ -77,21 +77,19 @@ def render_figure(fig: int, backend: str, scale: str, results: Path, out: Path,
     return claims
 
 
-def _sla_s(spec) -> float:
-    return float(spec.base.get("sla_s", ExperimentSpec.model_fields["sla_s"].default))
-
-
 def capacities(spec, results: Path, physics: str) -> dict[str, dict]:
-    """Capacities searched in this world at the figure's SLA, for the figure's routers."""
+    """Capacities searched for the figure's setting (its base spec in this world), for
+    the figure's routers."""
     if not spec.capacity:
         return {}
     routers = spec.axes.get("router.name") or [spec.base.get("router", {}).get("name", "hetroute")]
-    found = read_capacities(results, physics, _sla_s(spec))
+    found = read_capacities(results, parse_spec(spec.base).with_overrides({"physics": physics}))
     return {r: found[r] for r in routers if r in found}
 
 
-def capacity_line(capacity: dict[str, dict], spec) -> str:
-    return (f"capacity (90% within {_sla_s(spec) * 1e3:g} ms, `testbed capacity`): "
+def capacity_line(capacity: dict[str, dict]) -> str:
+    first = next(iter(capacity.values()))
+    return (f"capacity ({criterion(first)}, `testbed capacity`): "
             + "; ".join(f"{r} {describe(c)}" for r, c in capacity.items()))
 
 

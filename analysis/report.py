@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from testbed.capacity import describe
+from testbed.capacity import criterion, describe
 from testbed.sweep import figure_path, load_figure
 
 from .render import FIGURES, stem
@@ -100,7 +100,7 @@ def build_report(out: Path) -> Path:
             if d.get("capacity"):
                 lines.append(f"  Capacity, {p}: " + "; ".join(
                     f"{r} {describe(c)}" for r, c in d["capacity"].items())
-                    + f" (90% within {next(iter(d['capacity'].values()))['sla_s'] * 1e3:g} ms).")
+                    + f" ({criterion(next(iter(d['capacity'].values())))}).")
         lines += ["", "| claim | paper | hardware | 95% CI | verdict | paper physics | 95% CI | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
         by_id = {p: {c["id"]: c for c in d["claims"]} for p, d in data.items()}

@@ -4,15 +4,16 @@
 simulator: doubling up from ``lo`` until the SLA share falls below the target,
 then bisecting (geometrically) between the last load that met it and the
 first that did not, to ``rel_tol``. Every probe is a complete run folder under
-``results/capacity/<spec>-<physics>/<router>/rate=<r>/`` and is reused when its resolved
-spec is unchanged, so a second search, or a killed one, costs only what is new.
+``results/capacity/<spec>-<physics>-sla<ms>/<router>/rate=<r>/`` and is reused when its
+resolved spec is unchanged, so a second search, or a killed one, costs only what is new.
 The SLA share counts failed requests as misses (``metrics.sla_ratio``). The answer is
-written beside the probes (``capacity.json``), where the compare table and Figs. 2 and 9
-read it (``read_capacities``).
+written beside the probes (``capacity.json``, with the setting it holds for: ``setting_key``),
+where the compare table and Figs. 2 and 9 read it (``read_capacities``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,13 +50,15 @@ def find_capacity(spec: ExperimentSpec, router: str, results: Path = Path("resul
     if spec.backend != "sim":
         raise SpecError("capacity: searches on the simulator (backend: sim)")
     spec = spec.with_overrides({"router.name": router})
-    root = results / "capacity" / f"{spec.name}-{spec.physics}" / router.replace(":", "_")
+    root = (results / "capacity" / f"{spec.name}-{spec.physics}-sla{spec.sla_s * 1e3:g}ms"
+            / router.replace(":", "_"))
     cache = results / ".placements"
     cap = Capacity(router, 0.0)
     _search(cap, spec, root, cache, lo, hi, rel_tol, target, log)
     (root / "capacity.json").write_text(json.dumps(
         {**asdict(cap), "sla_s": spec.sla_s, "target": target, "physics": spec.physics,
-         "spec": spec.name, "duration_s": spec.workload.duration_s, "lo": lo, "hi": hi}, indent=1))
+         "setting": setting_key(spec), "spec": spec.name, "duration_s": spec.workload.duration_s,
+         "lo": lo, "hi": hi}, indent=1))
     return cap
 
 
@@ -92,16 +95,32 @@ def _search(cap: Capacity, spec: ExperimentSpec, root: Path, cache: Path, lo: fl
     cap.capacity_rps = good
 
 
-def read_capacities(results: Path, physics: str, sla_s: float) -> dict[str, dict]:
-    """Every capacity found under ``results/capacity`` in this world at this SLA, by
-    router (the newest search where several specs searched the same router)."""
+def setting_key(spec: ExperimentSpec) -> str:
+    """What a capacity holds for: the spec without the load, the run's length, its name,
+    seed, router, backend and after-run measurement (the world, SLA, topology, model,
+    request shape, budgets, engine and faults stay in). Resolved first (``resolve_inputs``)."""
+    d = resolve_inputs(spec).model_dump(mode="json")
+    for k in ("name", "seed", "router", "backend", "emu"):
+        d.pop(k, None)
+    for k in ("rate_per_s", "duration_s", "warmup_s"):
+        d["workload"].pop(k, None)
+    for k in ("replay", "inrun"):
+        d["quality"].pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_capacities(results: Path, spec: ExperimentSpec) -> dict[str, dict]:
+    """Every capacity found under ``results/capacity`` for this spec's setting
+    (``setting_key``: same world, SLA, topology, model, ...), by router (the newest
+    search where several searched the same router)."""
+    key = setting_key(spec)
     found: dict[str, tuple[float, dict]] = {}
     for f in (results / "capacity").glob("*/*/capacity.json"):
         try:
             c = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
-        if c.get("physics") == physics and abs(float(c.get("sla_s", -1)) - sla_s) < 1e-12:
+        if c.get("setting") == key:
             t = f.stat().st_mtime
             if c["router"] not in found or t > found[c["router"]][0]:
                 found[c["router"]] = (t, c)
@@ -113,3 +132,8 @@ def describe(c: dict) -> str:
     if not c["capacity_rps"]:
         return f"0 ({c['lo']:g} req/s already misses)"
     return f"{c['capacity_rps']:.3g} req/s" + ("" if c["bounded"] else f" or more ({c['hi']:g} met it)")
+
+
+def criterion(c: dict) -> str:
+    """The capacity's criterion in words, e.g. '90% within 300 ms'."""
+    return f"{c['target']:.0%} within {c['sla_s'] * 1e3:g} ms"

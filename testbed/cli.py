@@ -109,12 +109,12 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     for n, note in notes.items():
         if note:
             typer.echo(f"memory, {n}: {note}")
-    from .capacity import describe, read_capacities
-    caps = read_capacities(results, base.physics, base.sla_s)
+    from .capacity import criterion, describe, read_capacities
+    caps = read_capacities(results, base)
     for n in names:
         if n in caps:
             c = caps[n]
-            typer.echo(f"capacity, {n}: {describe(c)} with 90% within {base.sla_s * 1e3:g} ms "
+            typer.echo(f"capacity, {n}: {describe(c)} with {criterion(c)} "
                        f"(`testbed capacity`, spec {c['spec']}, {c['duration_s']:g} s probes)")
 
 
@@ -235,14 +235,14 @@ def capacity(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
 
     from dataclasses import asdict
 
-    from .capacity import describe, find_capacity
+    from .capacity import TARGET, describe, find_capacity
     try:
         base = _load(spec, set_)
         for r in router:
             c = find_capacity(base, r, results, lo=lo, hi=hi, rel_tol=rel_tol,
                               log=lambda m: typer.echo(m, err=True))
             typer.echo(f"{r}: capacity {describe({**asdict(c), 'lo': lo, 'hi': hi})} "
-                       f"(90% within {base.sla_s * 1e3:g} ms, physics {base.physics})")
+                       f"({TARGET:.0%} within {base.sla_s * 1e3:g} ms, physics {base.physics})")
     except (SpecError, TopologyError) as err:
         _fail(str(err))
 

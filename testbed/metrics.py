@@ -55,7 +55,7 @@ def compute_metrics(tl: pd.DataFrame, rq: pd.DataFrame, warmup_s: float, duratio
     out["lam_max"] = float(ok.lam_max.max()) if len(ok) else math.nan
     out["budget_violations"] = int((ok.lam_max > budget * (1 + 1e-9) + 1e-12).sum())
     out.update(stability(ok))
-    out.update(decode_metrics(ok, rq[rq.status == "ok"], warmup_s, duration_s))
+    out.update(decode_metrics(ok, rq, warmup_s, duration_s))
     if tl.empty:
         return out
     m = tl[tl.request.isin(win.request)]
@@ -101,27 +101,37 @@ DECODE = (
 def decode_metrics(ok: pd.DataFrame, done: pd.DataFrame, warmup_s: float, duration_s: float) -> dict:
     """Prefill and decode timing of the measured, completed requests (``ok``).
 
-    Generated tokens of every completed request (``done``) are counted one by one when
-    they reach home inside the window, whenever their request arrived, so a decode
-    run's throughput does not wait for requests that outlast the window. ``window_x_latency`` below ~2 says the window
-    is short against a request's life: the queues may not have reached their level.
-    Records written before these columns existed give NaN.
+    Generated tokens of every recorded request (``done``, failed ones included: their
+    tokens reached home) are counted one by one when they reach home inside the window,
+    whenever their request arrived, so a decode run's throughput does not wait for
+    requests that outlast the window. ``window_x_latency`` below 1 says the window is
+    shorter than a request's life: the queues may not have reached their level, and the
+    figures mark the point. Records written before these columns existed give NaN.
     """
     window = duration_s - warmup_s
     out = {k: math.nan for k, _ in DECODE}
-    if ok.empty or "first_s" not in ok:
+    if "gen_done_s" not in done:
+        return out
+    times = np.concatenate([np.asarray(v, dtype=float) for v in done.gen_done_s if _is_list(v)]
+                           + [np.empty(0)])
+    out["gen_tok_s"] = float(((times >= warmup_s) & (times < duration_s)).sum() / window)
+    if ok.empty:
         return out
     ttft = (ok.first_s - ok.arrival_s).to_numpy()
-    out["ttft_ms"] = float(np.nanmean(ttft) * 1e3)
-    out["ttft_p99_ms"] = float(np.nanpercentile(ttft, 99) * 1e3)
-    n_gen = ok.gen_done_s.map(len).to_numpy()
+    if np.isfinite(ttft).any():
+        out["ttft_ms"] = float(np.nanmean(ttft) * 1e3)
+        out["ttft_p99_ms"] = float(np.nanpercentile(ttft, 99) * 1e3)
+    n_gen = ok.gen_done_s.map(lambda v: len(v) if _is_list(v) else 0).to_numpy()
     dec = n_gen > 0
     if dec.any():
         out["tpot_ms"] = float(((ok.done_s - ok.first_s).to_numpy()[dec] / n_gen[dec]).mean() * 1e3)
-    times = np.concatenate([np.asarray(v, dtype=float) for v in done.gen_done_s] + [np.empty(0)])
-    out["gen_tok_s"] = float(((times >= warmup_s) & (times < duration_s)).sum() / window)
-    out["window_x_latency"] = float(window / ok.latency_s.mean()) if ok.latency_s.mean() > 0 else math.nan
+    if ok.latency_s.mean() > 0:
+        out["window_x_latency"] = float(window / ok.latency_s.mean())
     return out
+
+
+def _is_list(v) -> bool:
+    return hasattr(v, "__len__") and not isinstance(v, str)
 
 
 #: A run is flagged unstable when the requests arriving in the last third of the

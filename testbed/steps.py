@@ -92,15 +92,11 @@ class StepScheduler:
         self._seq = 0
         self.steps = 0
         self.jobs_run = 0
-        #: the scope's queueing rule, picked once (a backend submits every job through it)
+        #: ``submit(job)`` queues a job by the scope's rule, picked once here (a backend
+        #: submits every job through it: no per-job branch on the hot path)
         self.submit = self._submit_layer if scope == "layer" else self._submit_replica
 
     # -- queueing ----------------------------------------------------------------
-    def submit(self, job: Job) -> None:
-        """Queue a job by the scope's rule (``__init__`` binds the rule to the instance,
-        which skips this hop on the hot path)."""
-        (self._submit_layer if self.scope == "layer" else self._submit_replica)(job)
-
     def _submit_replica(self, job: Job) -> None:
         self._seq += 1
         job.seq = self._seq

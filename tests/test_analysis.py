@@ -189,19 +189,28 @@ def test_fidelity_table_converts_lateness_to_emulated_time_and_names_every_probl
     assert summarise(fidelity_table(FigureData(data.spec, "sim", "quick", pd.DataFrame(runs[2:]), [], 0))) is None
 
 
-def test_figures_with_capacity_list_their_routers_searched_at_their_sla(tmp_path):
+def test_figures_with_capacity_list_their_routers_searched_for_their_setting(tmp_path):
     from analysis.render import capacities, capacity_line
+    from testbed.capacity import setting_key
+    from testbed.spec import parse_spec
 
-    for router, sla in (("hetroute", 0.3), ("petals", 0.3), ("greedy", 0.3), ("prism", 1.0)):
-        d = tmp_path / "capacity" / "capacity-hardware" / router
+    fig9 = load_figure(figure_path(9))
+    base = parse_spec({"name": "capacity", "topology": "paper10", "sla_s": 0.3,
+                       "workload": {"model": "mixtral-8x7b", "duration_s": 4.0, "warmup_s": 1.0}})
+    for router, spec in (("hetroute", base), ("petals", base), ("greedy", base),
+                         ("prism", base.with_overrides({"sla_s": 1.0})),
+                         ("edgeshard", base.with_overrides({"workload.model": "qwen"}))):
+        d = tmp_path / "capacity" / f"x-{router}" / router
         d.mkdir(parents=True)
         (d / "capacity.json").write_text(json.dumps(
-            {"router": router, "capacity_rps": 1.5, "bounded": True, "sla_s": sla, "lo": 1.0,
-             "hi": 320.0, "physics": "hardware", "spec": "capacity", "duration_s": 4.0}))
-    fig9 = load_figure(figure_path(9))
+            {"router": router, "capacity_rps": 1.5, "bounded": True, "sla_s": spec.sla_s, "lo": 1.0,
+             "hi": 320.0, "target": 0.9, "physics": "hardware", "setting": setting_key(spec),
+             "spec": "capacity", "duration_s": 4.0}))
     got = capacities(fig9, tmp_path, "hardware")
-    assert sorted(got) == ["hetroute", "petals"]  # greedy is not in Fig. 9; prism at 1 s
-    assert capacity_line(got, fig9).startswith("capacity (90% within 300 ms")
+    # greedy is not in Fig. 9; prism was searched at 1 s and edgeshard on another model
+    assert sorted(got) == ["hetroute", "petals"]
+    assert capacity_line(got).startswith("capacity (90% within 300 ms")
+    assert capacities(fig9, tmp_path, "paper") == {}
     assert capacities(load_figure(figure_path(5)), tmp_path, "hardware") == {}  # not asked for
 
 

@@ -7,7 +7,7 @@ import pytest
 import json
 import os
 
-from testbed.capacity import describe, find_capacity, read_capacities
+from testbed.capacity import criterion, describe, find_capacity, read_capacities, setting_key
 from testbed.spec import SpecError, parse_spec
 
 # Qwen1.5-MoE through EdgeShard on small3: mean 89 ms (P99 131) at 8 req/s, 176 ms at 128
@@ -26,14 +26,18 @@ def test_capacity_brackets_the_sla_target_and_reuses_its_runs(tmp_path):
     assert met[c.capacity_rps] >= 0.9  # the answer met the target
     above = [r for r in met if r > c.capacity_rps]
     assert above and min(above) <= c.capacity_rps * 1.25 + 1e-9 and met[min(above)] < 0.9
-    runs = sorted(p.name for p in (tmp_path / "capacity" / "cap-hardware" / "edgeshard").iterdir())
+    runs = sorted(p.name for p in (tmp_path / "capacity" / "cap-hardware-sla200ms" / "edgeshard").iterdir())
     again = find_capacity(spec, "edgeshard", tmp_path, lo=8.0, hi=512.0, rel_tol=0.25, log=logs.append)
     assert again.capacity_rps == c.capacity_rps
-    assert sorted(p.name for p in (tmp_path / "capacity" / "cap-hardware" / "edgeshard").iterdir()) == runs
+    assert sorted(p.name for p in (tmp_path / "capacity" / "cap-hardware-sla200ms" / "edgeshard").iterdir()) == runs
     # the answer is kept beside the probes, where compare and the figures read it
-    saved = read_capacities(tmp_path, "hardware", 0.2)["edgeshard"]
+    saved = read_capacities(tmp_path, spec)["edgeshard"]
     assert saved["capacity_rps"] == c.capacity_rps and saved["spec"] == "cap"
-    assert read_capacities(tmp_path, "paper", 0.2) == {} and read_capacities(tmp_path, "hardware", 0.3) == {}
+    for other in ({"physics": "paper"}, {"sla_s": 0.3}, {"workload.model": "switch"}):
+        assert read_capacities(tmp_path, spec.with_overrides(other)) == {}
+    # the load, the run's length, its name and seed do not change the setting
+    assert read_capacities(tmp_path, spec.with_overrides(
+        {"workload.rate_per_s": 3, "workload.duration_s": 9, "name": "x", "seed": 4})) != {}
 
 
 def test_capacity_refuses_bad_bounds_and_the_emulator(tmp_path):
@@ -43,23 +47,26 @@ def test_capacity_refuses_bad_bounds_and_the_emulator(tmp_path):
         find_capacity(parse_spec({**SPEC, "backend": "emu"}), "edgeshard", tmp_path)
 
 
-def _saved(root, spec, router, physics, sla, cap, mtime):
-    d = root / "capacity" / f"{spec}-{physics}" / router
-    d.mkdir(parents=True)
+def _saved(root, spec, router, cap, mtime):
+    d = root / "capacity" / f"{spec.name}-{spec.physics}-sla{spec.sla_s * 1e3:g}ms" / router
+    d.mkdir(parents=True, exist_ok=True)
     f = d / "capacity.json"
     f.write_text(json.dumps({"router": router, "capacity_rps": cap, "bounded": True, "probes": [],
-                             "sla_s": sla, "target": 0.9, "physics": physics, "spec": spec,
-                             "duration_s": 4.0, "lo": 1.0, "hi": 320.0}))
+                             "sla_s": spec.sla_s, "target": 0.9, "physics": spec.physics,
+                             "setting": setting_key(spec), "spec": spec.name, "duration_s": 4.0,
+                             "lo": 1.0, "hi": 320.0}))
     os.utime(f, (mtime, mtime))
 
 
-def test_read_capacities_keeps_the_world_and_sla_and_the_newest_search(tmp_path):
-    _saved(tmp_path, "a", "petals", "hardware", 0.3, 1.2, 100)
-    _saved(tmp_path, "b", "petals", "hardware", 0.3, 2.5, 200)  # newer search of the same router
-    _saved(tmp_path, "a", "hetroute", "hardware", 0.3, 0.0, 100)
-    _saved(tmp_path, "c", "hetroute", "hardware", 1.0, 16.0, 300)  # another SLA
-    _saved(tmp_path, "a", "edgeshard", "paper", 0.3, 99.0, 100)  # another world
-    got = read_capacities(tmp_path, "hardware", 0.3)
+def test_read_capacities_keeps_the_setting_and_the_newest_search(tmp_path):
+    spec = parse_spec(SPEC)
+    _saved(tmp_path, spec, "petals", 1.2, 100)
+    _saved(tmp_path, spec.with_overrides({"name": "b", "workload.duration_s": 8}), "petals", 2.5, 200)
+    _saved(tmp_path, spec, "hetroute", 0.0, 100)
+    _saved(tmp_path, spec.with_overrides({"sla_s": 1.0}), "hetroute", 16.0, 300)  # another SLA
+    _saved(tmp_path, spec.with_overrides({"physics": "paper"}), "edgeshard", 99.0, 100)
+    _saved(tmp_path, spec.with_overrides({"topology": "paper10"}), "prism", 7.0, 100)
+    got = read_capacities(tmp_path, spec)
     assert sorted(got) == ["hetroute", "petals"] and got["petals"]["capacity_rps"] == 2.5
-    assert describe(got["petals"]) == "2.5 req/s"
+    assert describe(got["petals"]) == "2.5 req/s" and criterion(got["petals"]) == "90% within 200 ms"
     assert describe(got["hetroute"]) == "0 (1 req/s already misses)"

@@ -9,6 +9,7 @@ time of each figure is printed (a speed figure, not a timed assertion).
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -44,6 +45,9 @@ def test_smoke_experiment_renders_figure_and_claims(fig: int, tmp_path: Path) ->
     spec = yaml.safe_load((ROOT / "analysis" / "specs" / f"fig{fig}.yaml").read_text())
     assert {c["id"] for c in rows} == {c["id"] for c in spec["claims"]}
     assert any(c.get("measured") is not None for c in rows) or not spec["claims"]  # 10: none
+    if spec["base"].get("workload", {}).get("gen_tokens"):  # a decode figure measures decode
+        runs = list((tmp_path / "results" / f"fig{fig}").rglob("metrics.json"))
+        assert runs and all(math.isfinite(json.loads(r.read_text())["tpot_ms"]) for r in runs)
     # the simulator has no network to check: no fidelity table, and none left from an emulated run
     assert claims["fidelity"] is None and not (tmp_path / "figures" / f"fig{fig}.fidelity.csv").exists()
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -53,3 +53,12 @@ def test_decode_metrics_count_generated_tokens_inside_the_window():
     m = decode_metrics(rq, rq, warmup_s=0.0, duration_s=3.0)
     assert math.isclose(m["tpot_ms"], (2.7 - 0.9) / 3 * 1e3)
     assert math.isclose(m["window_x_latency"], 3.0 / 1.25)
+    # a request that failed after two tokens home still produced them; a row written
+    # before the decode columns existed (NaN) counts nothing; no completed request in
+    # the window still leaves the tokens that reached home in it
+    failed = pd.DataFrame({"arrival_s": [0.2, 0.3], "first_s": [0.4, float("nan")],
+                           "done_s": [1.6, float("nan")], "latency_s": [1.4, float("nan")],
+                           "gen_done_s": [[1.2, 1.5], float("nan")]})
+    both = pd.concat([rq, failed], ignore_index=True)
+    m = decode_metrics(rq.iloc[:0], both, warmup_s=1.0, duration_s=2.0)
+    assert m["gen_tok_s"] == 4.0 and math.isnan(m["ttft_ms"]) and math.isnan(m["tpot_ms"])
