@@ -54,10 +54,15 @@ def test_cut_link_ends_every_request_within_a_few_windows(tmp_path: Path) -> Non
     st = res.info["stats"]
     assert st["requests_unrecorded"] == 0 and not st["timed_out"], failed.reason.tolist()
     assert not failed.reason.str.contains("no record|timeout").any(), failed.reason.tolist()
-    # every request ends within a few windows of the cut or of its arrival, whichever is later
+    # every request ends within a few windows of the cut or of its arrival, whichever is
+    # later. A token whose home became unreachable fails at its last hop, when its layers
+    # are done (the simulator's rule too), so it ends at the emulator's pace like the ok
+    # ones (END_WINDOWS); a failure found by detection (a lost peer with tokens in
+    # flight, no route) must come within FAIL_WINDOWS
     end = rq.arrival_s + rq.latency_s
     after = (end - rq.arrival_s.clip(lower=CUT_S)) / spec.window_s
-    late = rq[(end > CUT_S) & ((after > END_WINDOWS) | ((rq.status == "failed") & (after > FAIL_WINDOWS)))]
+    detected = (rq.status == "failed") & ~rq.reason.str.contains("unreachable", na=False)
+    late = rq[(end > CUT_S) & ((after > END_WINDOWS) | (detected & (after > FAIL_WINDOWS)))]
     assert late.empty, late[["request", "home", "arrival_s", "latency_s", "status", "reason"]]
     # the simulator's failures fail here too, for the same reason (edge cannot reach the
     # only full-precision replica of an expert its requests need). The emulator may fail
