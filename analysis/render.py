@@ -88,9 +88,11 @@ def capacities(spec, results: Path, physics: str) -> dict[str, dict]:
 
 
 def capacity_line(capacity: dict[str, dict]) -> str:
+    """The figure's footer: short, beside the run count (the claims file has the rest)."""
     first = next(iter(capacity.values()))
-    return (f"capacity ({criterion(first)}, `testbed capacity`): "
-            + "; ".join(f"{r} {describe(c)}" for r, c in capacity.items()))
+    return (f"capacity, req/s ({criterion(first)}): "
+            + ", ".join(f"{r} {c['capacity_rps']:.3g}" + ("+" if not c["bounded"] else "")
+                        for r, c in capacity.items()))
 
 
 def claims_file(data: FigureData) -> dict:

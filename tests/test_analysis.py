@@ -209,7 +209,7 @@ def test_figures_with_capacity_list_their_routers_searched_for_their_setting(tmp
     got = capacities(fig9, tmp_path, "hardware")
     # greedy is not in Fig. 9; prism was searched at 1 s and edgeshard on another model
     assert sorted(got) == ["hetroute", "petals"]
-    assert capacity_line(got).startswith("capacity (90% within 300 ms")
+    assert capacity_line(got) == "capacity, req/s (90% within 300 ms): hetroute 1.5, petals 1.5"
     assert capacities(fig9, tmp_path, "paper") == {}
     assert capacities(load_figure(figure_path(5)), tmp_path, "hardware") == {}  # not asked for
 
