@@ -27,8 +27,18 @@ TARGET = 0.9
 
 @dataclass
 class Capacity:
+    """A search's answer and what it holds for; ``capacity.json`` is this as a dict."""
+
     router: str
-    capacity_rps: float  # 0.0: not even ``lo`` meets the SLA
+    sla_s: float
+    target: float
+    physics: str
+    setting: str  # ``setting_key`` of the searched spec
+    spec: str  # its name
+    duration_s: float  # of each probe's arrivals
+    lo: float
+    hi: float
+    capacity_rps: float = 0.0  # 0.0: not even ``lo`` meets the SLA
     probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (rate, sla, unstable)
     bounded: bool = True  # False: ``hi`` still met the SLA
 
@@ -53,18 +63,15 @@ def find_capacity(spec: ExperimentSpec, router: str, results: Path = Path("resul
     root = (results / "capacity" / f"{spec.name}-{spec.physics}-sla{spec.sla_s * 1e3:g}ms"
             / router.replace(":", "_"))
     cache = results / ".placements"
-    cap = Capacity(router, 0.0)
-    _search(cap, spec, root, cache, lo, hi, rel_tol, target, log)
-    (root / "capacity.json").write_text(json.dumps(
-        {**asdict(cap), "sla_s": spec.sla_s, "target": target, "physics": spec.physics,
-         "setting": setting_key(spec), "spec": spec.name, "duration_s": spec.workload.duration_s,
-         "lo": lo, "hi": hi}, indent=1))
+    cap = Capacity(router, spec.sla_s, target, spec.physics, setting_key(spec), spec.name,
+                   spec.workload.duration_s, lo, hi)
+    _search(cap, spec, root, cache, rel_tol, log)
+    (root / "capacity.json").write_text(json.dumps(asdict(cap), indent=1))
     return cap
 
 
-def _search(cap: Capacity, spec: ExperimentSpec, root: Path, cache: Path, lo: float, hi: float,
-            rel_tol: float, target: float, log) -> None:
-    router = cap.router
+def _search(cap: Capacity, spec: ExperimentSpec, root: Path, cache: Path, rel_tol: float, log) -> None:
+    router, lo, hi, target = cap.router, cap.lo, cap.hi, cap.target
 
     def ok(rate: float) -> bool:
         m = _probe(spec, rate, root, cache)

@@ -235,14 +235,14 @@ def capacity(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
 
     from dataclasses import asdict
 
-    from .capacity import TARGET, describe, find_capacity
+    from .capacity import criterion, describe, find_capacity
     try:
         base = _load(spec, set_)
         for r in router:
             c = find_capacity(base, r, results, lo=lo, hi=hi, rel_tol=rel_tol,
                               log=lambda m: typer.echo(m, err=True))
-            typer.echo(f"{r}: capacity {describe({**asdict(c), 'lo': lo, 'hi': hi})} "
-                       f"({TARGET:.0%} within {base.sla_s * 1e3:g} ms, physics {base.physics})")
+            c = asdict(c)
+            typer.echo(f"{r}: capacity {describe(c)} ({criterion(c)}, physics {c['physics']})")
     except (SpecError, TopologyError) as err:
         _fail(str(err))
 
