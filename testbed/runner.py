@@ -16,10 +16,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from workloads.quality_profile import profile_ce
 
+from .backends import run_backend
 from .metrics import compute_metrics, memory_use
 from .provenance import provenance, write_json_atomic
 from .records import RecordWriter, read_records
@@ -117,7 +116,7 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
     info["quality_model"] = setup.quality.source
     writer = RecordWriter(out_dir, setup.shape.top_k)
     t1 = time.perf_counter()
-    stats = _run_backend(setup, writer, progress)
+    stats = run_backend(setup, writer, progress)
     writer.close()
     info["backend_s"] = round(time.perf_counter() - t1, 3)
     info["stats"] = stats
@@ -177,23 +176,3 @@ def _ce_ref(spec: ExperimentSpec) -> float:
 
     corpus = load_corpus()
     return reference_ce(None, trace_proxy(Path(spec.workload.trace), corpus)[0], corpus)
-
-
-def _run_backend(setup: RunSetup, writer: RecordWriter, progress: bool) -> dict:
-    spec = setup.spec
-    if spec.backend == "emu":
-        from .emu.backend import EmuBackend  # needs root and Mininet; imported only here
-        return EmuBackend(setup, writer, progress=progress).run()
-    from .sim.backend import SimBackend
-    total = spec.workload.duration_s
-    bar = tqdm(total=total, unit="s", desc=f"{spec.name} [sim]", disable=not progress,
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} sim-s [{elapsed}<{remaining}]")
-
-    def tick(t: float) -> None:
-        bar.n = min(t, total)
-        bar.refresh()
-
-    st = SimBackend(setup, writer, progress=tick if progress else None).run()
-    bar.n = total
-    bar.close()
-    return {**vars(st), **setup.notes}

@@ -9,6 +9,9 @@ import sys
 import pandas as pd
 import pytest
 
+import inspect
+
+from testbed.backends import BACKENDS, backend_class
 from testbed.records import read_records
 from testbed.runner import is_complete, run_experiment
 from testbed.setup import build_setup
@@ -22,7 +25,7 @@ def test_same_seed_same_records_and_different_seed_differs(tmp_path):
     spec = parse_spec(TINY)
     a = run_experiment(spec, tmp_path / "a", progress=False)
     b = run_experiment(spec, tmp_path / "b", progress=False)
-    c = run_experiment(spec.with_overrides({"seed": 1}), tmp_path / "c", progress=False)
+    run_experiment(spec.with_overrides({"seed": 1}), tmp_path / "c", progress=False)
     ta, ra = read_records(tmp_path / "a")
     tb, rb = read_records(tmp_path / "b")
     tc, _ = read_records(tmp_path / "c")
@@ -235,3 +238,24 @@ def test_a_given_deployment_is_run_as_it_is_and_a_non_cacheable_router_must_matc
     save_deployment(path, Deployment(own.replicas[1:] + own.replicas[:1], own.n_experts, own.n_servers), {})
     with pytest.raises(SpecError, match="placed differently"):
         build_setup(spec, deployment_file=path)
+
+
+def test_every_backend_is_built_the_same_way_and_chosen_by_name():
+    """Issue 15: one constructor signature, so the runner builds any backend alike."""
+    sigs = {name: [(p.name, p.default) for p in
+                   inspect.signature(backend_class(name).__init__).parameters.values()]
+            for name in BACKENDS}
+    assert set(sigs) == {"sim", "emu"}
+    assert all(sig == [("self", inspect.Parameter.empty), ("setup", inspect.Parameter.empty),
+                       ("writer", inspect.Parameter.empty), ("progress", False)]
+               for sig in sigs.values()), sigs
+    assert all(callable(getattr(backend_class(name), "run", None)) for name in BACKENDS)
+    with pytest.raises(KeyError, match="unknown backend 'gpu'; known: emu, sim"):
+        backend_class("gpu")
+
+
+def test_run_json_carries_the_backends_counters_and_the_setups_notes(tmp_path):
+    run_experiment(parse_spec(TINY), tmp_path / "r", progress=True)  # the progress bar path too
+    stats = json.loads((tmp_path / "r" / "run.json").read_text())["stats"]
+    assert stats["token_layers"] > 0 and stats["decisions"] > 0  # SimStats, as a dict
+    assert stats["decision_s_calibrated"] > 0  # the set-up's note

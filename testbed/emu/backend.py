@@ -40,7 +40,7 @@ BASE_PORT = 47000
 
 
 class EmuBackend:
-    def __init__(self, setup: RunSetup, writer: RecordWriter, progress: bool = True) -> None:
+    def __init__(self, setup: RunSetup, writer: RecordWriter, progress: bool = False) -> None:
         if writer.out_dir is None:
             raise ValueError("the emulator needs a results folder")
         self.s, self.writer, self.progress = setup, writer, progress

@@ -28,7 +28,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
 
 from hetroute.state import StateView, TokenView, Unroutable
 
@@ -79,14 +81,32 @@ class _Request(RequestProgress):
         self.reason = ""
 
 
+class _ClockBar:
+    """Progress in simulated seconds of arrivals (the drain after them shows as 100%)."""
+
+    def __init__(self, spec) -> None:
+        self.total = spec.workload.duration_s
+        self.bar = tqdm(total=self.total, unit="s", desc=f"{spec.name} [sim]",
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} sim-s "
+                                   "[{elapsed}<{remaining}]")
+
+    def __call__(self, t: float) -> None:
+        self.bar.n = min(t, self.total)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.n = self.total
+        self.bar.close()
+
+
 class SimBackend:
     """Runs one experiment on modeled time; ``run`` returns the stats."""
 
     def __init__(self, setup: RunSetup, writer: RecordWriter,
-                 progress: Callable[[float], None] | None = None) -> None:
+                 progress: bool = False) -> None:
         self.s = setup
         self.w = writer
-        self.progress = progress
+        self.progress = _ClockBar(setup.spec) if progress else None
         spec = setup.spec
         cl = setup.cluster
         shape = setup.shape
@@ -189,6 +209,8 @@ class SimBackend:
             if progress is not None and t - last_progress >= 0.1:
                 last_progress = t
                 progress(t)
+        if progress is not None:
+            progress.close()
         st = self.stats
         st.events = events
         st.sim_time_s = self.now
