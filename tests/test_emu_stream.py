@@ -158,3 +158,66 @@ def test_late_releases_are_measured_not_hidden():
     time.sleep(0.05)  # the loop is blocked past the 10 ms release
     loop.run_until_complete(asyncio.sleep(0.05))
     assert s.stats.late[0] > 0.03
+
+
+# -- model-time arrivals (issue 14 item 6): the simulator's step rule, whatever the loop's lag --
+
+def test_an_idle_step_takes_only_what_had_arrived_at_its_start_as_in_the_simulator():
+    # two tokens released 0.1 ms (model) apart, both queued by the loop before the stream's
+    # start callback ran (the loop lags behind model time): the simulator starts a step at
+    # the first arrival with that job alone (testbed/sim/backend.py ``_kick``), and so must
+    # the emulator; taking everything queued by the loop's ``now`` batched them together
+    loop = precise_loop()
+    done = []
+    s, _ = _stream(loop, lambda j: done.append(j), scope="layer", t0=time.monotonic() - 1.0)
+    now = s.now()  # 20 ms of model time into the run
+    s.submit(_job(0, now - 2e-4, 0))
+    s.submit(_job(0, now - 1e-4, 1))
+    loop.run_until_complete(asyncio.sleep(0.1))
+    loop.close()
+    assert s.stats.batches == 2
+    assert [j.owner.owner for j in done] == [0, 1]
+
+
+def test_jobs_are_released_with_their_steps_modeled_end_even_when_the_loop_is_late():
+    loop = precise_loop()
+    seen = []
+    s, _ = _stream(loop, lambda j: seen.append((s.released_at, s.now())), scope="layer")
+    t = s.now()
+    s.submit(_job(0, t, 0))
+    loop.run_until_complete(asyncio.sleep(0))  # the step starts at t
+    time.sleep(0.05)  # the loop is blocked past the 10 ms (wall) release
+    loop.run_until_complete(asyncio.sleep(0.02))
+    loop.close()
+    (released, now), = seen
+    assert released == pytest.approx(t + COMP, abs=1e-9)  # what the worker stamps downstream
+    assert now > released + 0.03 / T  # the loop's clock had moved on
+    assert s.released_at is None
+
+
+def test_a_frame_to_the_worker_itself_arrives_at_its_modeled_send_time():
+    from testbed.emu.node.peers import Peers
+    from testbed.emu.wire import Frame, Pong
+
+    class Node(Peers):
+        N, rank, T, t0, stopping = 2, 0, T, time.monotonic(), False
+
+        def wall(self, t):
+            return self.t0 + t * self.T
+
+        def _on_pong(self, frame, arrival):
+            got.append(arrival)
+
+    got = []
+    loop = precise_loop()
+    node = Node()
+    node.loop = loop
+    node._on_frame = node._on_pong
+    node._init_peers()
+    time.sleep(0.01)  # the worker's own Python time between the modeled send and the send
+    assert node._send(0, Frame(Pong(0, 0, 0.0)), at=1e-5)
+    assert node._send(0, Frame(Pong(0, 0, 0.0)))  # no model time: the loop's clock
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    assert got[0] == pytest.approx(node.wall(1e-5), abs=1e-9)
+    assert got[1] > node.t0 + 0.01

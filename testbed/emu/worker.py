@@ -208,6 +208,10 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "decision_cpu_us_mean": float(np.mean(self.decision_cpu) * 1e6) if self.decision_cpu else 0.0,
                 "decision_cpu_us_p99": float(np.percentile(self.decision_cpu, 99) * 1e6)
                 if self.decision_cpu else 0.0,
+                **{f"hop_{name}_ms_{q}": float(np.percentile(v, qv) * 1e3) if v else 0.0
+                   for name, v in (("dispatch", self.hop_dispatch), ("partial", self.hop_partial),
+                                   ("queue", self.hop_queue))
+                   for q, qv in (("p50", 50), ("p99", 99))},
                 "max_silence_windows": [round(g / (self.window * self.T), 3) for g in self.max_gap],
                 "wire_errors": self.net.wire_errors, "auth_failures": self.net.auth_failures,
                 "spoofed_frames": self.net.spoofed_frames, "bytes_sent": self.net.sent_bytes,

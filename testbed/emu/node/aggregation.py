@@ -65,7 +65,9 @@ class Aggregation:
         rid, tok, layer, seq = g.key
         for old in [k for k in self.gathers if k[:3] == (rid, tok, layer) and k[3] < seq]:
             del self.gathers[old]  # an abandoned attempt of this layer
-        t = self.now()
+        # the layer ends when its last partial arrived (model time, the simulator's fan-in end),
+        # not when this loop got round to it
+        t = max(h.t_dispatch, max(p[3] for p in g.partials.values()))
         picks = h.assignment
         if self.inrun is not None:
             out = self.inrun.combine(h.layer, g.hidden, [p[0] for p in g.partials.values()])
@@ -103,11 +105,11 @@ class Aggregation:
         if not last:
             self._begin_layer(Token(src=self.rank, request=h.request, token=h.token,
                                     layer=h.layer + 1, seq=h.seq, home=h.home, lam_acc=lam,
-                                    final=False, router_ctx=h.router_ctx), out)
+                                    final=False, router_ctx=h.router_ctx), out, t)
             return
         final = Token(src=self.rank, request=h.request, token=h.token, layer=self.L, seq=h.seq,
                       home=h.home, lam_acc=lam, final=True, dtype=DType.FLOAT32, shape=(self.d,))
         why = f"home {self.setup.cluster.names[h.home]} unreachable"
         if not self._send(h.home, self._hidden_frame(final, out),
-                          lambda _, final=final, why=why: self._token_failed(final, why)):
+                          lambda _, final=final, why=why: self._token_failed(final, why), at=t):
             self._token_failed(final, why)
