@@ -221,3 +221,30 @@ def test_a_frame_to_the_worker_itself_arrives_at_its_modeled_send_time():
     loop.close()
     assert got[0] == pytest.approx(node.wall(1e-5), abs=1e-9)
     assert got[1] > node.t0 + 0.01
+
+
+def test_a_layers_feedback_reaches_the_server_that_routed_it():
+    # the simulator hands each record to the decider that made the decision; in the
+    # emulator the record is made where the layer aggregates, and a FEEDBACK frame carries
+    # its cost fields to the residing server's decider
+    from testbed.emu.node.aggregation import Aggregation
+    from testbed.emu.node.peers import Peers
+    from testbed.emu.wire import Feedback, Frame, decode, encode
+
+    got = []
+
+    class Decider:
+        def on_layer_done(self, rec):
+            got.append(rec)
+
+    class Node(Peers, Aggregation):
+        N, rank, T, t0, stopping = 2, 0, T, time.monotonic(), False
+        decider = Decider()
+
+    node = Node()
+    node._init_peers()
+    fb = Feedback(1, 7, 3, 5, 2, 11, 1e-3, 2e-3, 3e-4, 0.0, 1e-6)
+    node._on_frame(decode(encode(Frame(fb))), time.monotonic())
+    (rec,) = got
+    assert (rec.window, rec.fanout_s, rec.compute_s, rec.fanin_s, rec.offload_s, rec.dq) == \
+        (11, 1e-3, 2e-3, 3e-4, 0.0, 1e-6)

@@ -13,7 +13,7 @@ import torch
 from hetroute.state import Assignment, TokenView
 
 from ...core import Routed
-from ..wire import DType, Frame, Hidden, Ran, Token
+from ..wire import DType, Feedback, Frame, Hidden, Ran, Token
 
 
 @dataclass
@@ -51,6 +51,11 @@ class Aggregation:
         g.partials[m.src] = (frame.tensor().clone(), m.t_arrived, m.t_computed,
                              (arrival - self.t0) / self.T, m.ran)
         self._maybe_complete(g)
+
+    def _on_feedback(self, m: Feedback) -> None:
+        """A token-layer this server routed is done elsewhere: its realized costs (the
+        record's fields a router's feedback reads) go to this server's decider."""
+        self.decider.on_layer_done(m)
 
     def _stale(self, key: tuple) -> bool:
         """A later attempt of the same token-layer is open: this one was abandoned."""
@@ -100,7 +105,14 @@ class Aggregation:
                                comp_end, t, n_bytes, len(g.partials), self.view.window)
         self.writer.token_layer(rec)
         self.stats["token_layers"] += 1
-        self.decider.on_layer_done(rec)  # recorded (and fed back) where the layer aggregates
+        # recorded where the layer aggregates; fed back to the decider that routed it (the
+        # simulator's rule): here, or at the residing server by a FEEDBACK frame
+        if theta == self.rank:
+            self.decider.on_layer_done(rec)
+        else:
+            self._send(theta, Frame(Feedback(self.rank, h.request, h.token, h.layer, h.seq,
+                                             rec.window, rec.fanout_s, rec.compute_s,
+                                             rec.fanin_s, rec.offload_s, rec.dq)))
         lam = float(h.lam_acc) + dq
         if not last:
             self._begin_layer(Token(src=self.rank, request=h.request, token=h.token,

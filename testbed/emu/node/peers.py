@@ -17,7 +17,7 @@ from collections import deque
 
 import torch
 
-from ..wire import Fail, Frame, Hidden, Partial, State, Token, tensor_frame
+from ..wire import Fail, Feedback, Frame, Hidden, Partial, State, Token, tensor_frame
 
 SILENT_WINDOWS = 2  # a peer silent this many windows is lost (it sends STATE every window)
 
@@ -104,6 +104,8 @@ class Peers:
                 self.peer_backlog[m.src] = m.backlog_s
                 if m.received:
                     self._acked(m.src, m.received)
+            elif isinstance(m, Feedback):
+                self._on_feedback(m)
             elif isinstance(m, Fail):
                 self._on_fail(m)
         except Exception:  # one bad token must not take the server down
