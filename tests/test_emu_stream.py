@@ -248,3 +248,49 @@ def test_a_layers_feedback_reaches_the_server_that_routed_it():
     (rec,) = got
     assert (rec.window, rec.fanout_s, rec.compute_s, rec.fanin_s, rec.offload_s, rec.dq) == \
         (11, 1e-3, 2e-3, 3e-4, 0.0, 1e-6)
+
+
+@pytest.mark.parametrize("charge, expected", [("calibrated", 5e-6), ("measured", 0.25), (2e-5, 2e-5)])
+def test_a_decision_is_charged_as_the_simulator_charges_it(charge, expected):
+    # the emulator charged each decision's CPU time measured in the worker (5-30x the
+    # calibrated constant on a shared host, plus a first call's JIT); it now charges
+    # ``engine.decision_s`` as the simulator does: the setup's constant, or with
+    # ``measured`` the decision's own time
+    from types import SimpleNamespace
+
+    from hetroute.state import Assignment
+    from testbed.core import Routed
+    from testbed.emu.node.routing import Routing
+    from testbed.emu.wire import Token
+
+    dispatched = []
+
+    class Node(Routing):
+        rank, T, t0, stopping = 0, T, time.monotonic(), False
+        spec = SimpleNamespace(engine=SimpleNamespace(decision_s=charge),
+                               quality=SimpleNamespace(budget=0.02))
+        setup = SimpleNamespace(decision_s=5e-6 if charge == "calibrated" else (
+            charge if isinstance(charge, float) else 0.0))
+        core = SimpleNamespace(decide=lambda *a: Routed(Assignment((0,), (0,), (0,), 0), {0: [0]},
+                                                        0.25, 0.0, 0.0))
+        decider = residency = view = None
+
+        def _n_tokens(self, rid, tok):
+            return 1
+
+        def _routing(self, rid, n):
+            return [[[0]]], None
+
+        def wall(self, t):
+            return self.t0 + t * self.T
+
+        def _dispatch(self, *a):
+            dispatched.append(a[-1])
+
+    node = Node()
+    node.loop = precise_loop()
+    node._init_routing()
+    node._decide(Token(0, 0, 0, 0, 0, 0, 0.0, False), torch.zeros(4), 0.0, 0, t_dec=0.0)
+    node.loop.close()
+    assert node.cpu_free == pytest.approx(expected)
+    assert node.decision_cpu == [0.25]  # the measured time is still reported

@@ -30,6 +30,7 @@ class Routing:
     def _init_routing(self) -> None:
         self.routing_cache: dict[int, tuple] = {}
         self.cpu_free = 0.0  # model time this server's CPU is free of routing decisions
+        self.measured_decisions = self.spec.engine.decision_s == "measured"
         self.decision_cpu: list[float] = []  # measured CPU seconds per decision (wall, not dilated)
         self.relayered: set[tuple] = set()  # token-layer attempts already re-routed or failed here
         #: wall seconds the worker's own Python adds per hop (reported in w<rank>.json): from a
@@ -93,11 +94,14 @@ class Routing:
         except Unroutable as err:
             self._token_failed(tok, str(err))
             return
-        # the decision's measured CPU time is emulated time, not divided by T: the
-        # dispatch waits for it, behind earlier decisions of this server's CPU
+        # the decision's charge (``engine.decision_s``, as the simulator charges it: the
+        # calibrated constant, a fixed number, or with ``measured`` its own CPU time) is
+        # emulated time, not divided by T: the dispatch waits for it, behind earlier
+        # decisions of this server's CPU. The measured time is kept for the fidelity report
         self.decision_cpu.append(routed.decision_s)
+        cost = routed.decision_s if self.measured_decisions else self.setup.decision_s
         start = self.cpu_free if self.cpu_free > t_dec else t_dec
-        self.cpu_free = t_disp = start + routed.decision_s
+        self.cpu_free = t_disp = start + cost
         if self.wall(t_disp) > time.monotonic():
             self.loop.call_at(self.wall(t_disp), self._dispatch, tok, h, t_layer, retries,
                               tv, routed, t_dec, t_disp)
