@@ -227,6 +227,8 @@ def test_a_layers_feedback_reaches_the_server_that_routed_it():
     # the simulator hands each record to the decider that made the decision; in the
     # emulator the record is made where the layer aggregates, and a FEEDBACK frame carries
     # its cost fields to the residing server's decider
+    from types import SimpleNamespace
+
     from testbed.emu.node.aggregation import Aggregation
     from testbed.emu.node.peers import Peers
     from testbed.emu.wire import Feedback, Frame, decode, encode
@@ -240,6 +242,7 @@ def test_a_layers_feedback_reaches_the_server_that_routed_it():
     class Node(Peers, Aggregation):
         N, rank, T, t0, stopping = 2, 0, T, time.monotonic(), False
         decider = Decider()
+        view = SimpleNamespace(window=11)
 
     node = Node()
     node._init_peers()
@@ -248,6 +251,11 @@ def test_a_layers_feedback_reaches_the_server_that_routed_it():
     (rec,) = got
     assert (rec.window, rec.fanout_s, rec.compute_s, rec.fanin_s, rec.offload_s, rec.dq) == \
         (11, 1e-3, 2e-3, 3e-4, 0.0, 1e-6)
+    # made in the aggregator's window 10, arriving in this server's window 11: the decider's
+    # windows never go back (its decisions already closed window 10)
+    node._on_frame(decode(encode(Frame(Feedback(1, 7, 4, 5, 2, 10, 1e-3, 0.0, 0.0, 0.0, 0.0)))),
+                   time.monotonic())
+    assert got[1].window == 11 and got[1].token == 4
 
 
 @pytest.mark.parametrize("charge, expected", [("calibrated", 5e-6), ("measured", 0.25), (2e-5, 2e-5)])

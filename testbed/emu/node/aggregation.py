@@ -6,7 +6,7 @@ with the output after the last one (TOKEN, final).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -54,8 +54,13 @@ class Aggregation:
 
     def _on_feedback(self, m: Feedback) -> None:
         """A token-layer this server routed is done elsewhere: its realized costs (the
-        record's fields a router's feedback reads) go to this server's decider."""
-        self.decider.on_layer_done(m)
+        record's fields a router's feedback reads) go to this server's decider, in the
+        window this server is in when they arrive. The aggregator's window may be another
+        (the frame crossed a window boundary, or the peers' window timers differ by the
+        loop's lag); a decider's windows never go back, as in the simulator, whose records
+        and decisions share one window counter."""
+        w = self.view.window
+        self.decider.on_layer_done(m if m.window == w else replace(m, window=w))
 
     def _stale(self, key: tuple) -> bool:
         """A later attempt of the same token-layer is open: this one was abandoned."""
