@@ -146,11 +146,10 @@ class EngineSpec(_Model):
     hold_s: float = Field(0.0, ge=0, le=1.0, description="a step may wait this long after its "
                           "oldest job for more to batch")
     decision_s: Annotated[float, Field(ge=0, le=1)] | Literal["calibrated", "measured"] = Field(
-        "calibrated", description="CPU seconds charged per routing decision in the simulator: "
+        "calibrated", description="CPU seconds charged per routing decision, by both backends: "
         "'calibrated' (the router's median on calibration tokens, timed at set-up; the run's "
         "resolved spec holds the number), 'measured' "
-        "(each decision's own CPU time; not bit-reproducible) or fixed seconds. The emulator "
-        "always charges the measured time")
+        "(each decision's own CPU time; not bit-reproducible) or fixed seconds")
 
 
 class FaultSpec(_Model):

@@ -145,11 +145,14 @@ class Router(abc.ABC):
         return StaticTiers(self.deployment)
 
     def on_layer_done(self, record: "TokenLayerRecord") -> None:
-        """A token-layer this decider routed is done (in the emulator: one aggregated at its
-        server, where the record is made). The ``hetroute.state.TokenLayerRecord`` has
+        """A token-layer this decider routed is done. The ``hetroute.state.TokenLayerRecord`` has
         its times, bytes, executed replicas and tiers, the derived quality increment
         ``dq``, the world's offload time ``offload_s`` and the scheduling ``window`` it
-        completed in. Feedback such as eq. (21) is computed here by the router itself."""
+        completed in. Feedback such as eq. (21) is computed here by the router itself.
+        In the emulator the record is made where the layer aggregates; a decider on another
+        server gets its cost fields (``window``, ``fanout_s``, ``compute_s``, ``fanin_s``,
+        ``offload_s``, ``dq``, and the request, token and layer) in a FEEDBACK frame
+        (``testbed.emu.wire.Feedback``)."""
 
     def on_request_done(self, request: int) -> None:
         """A request this decider saw has completed (per-request state may go)."""

@@ -62,6 +62,8 @@ class ModeledStream:
         self.stats = StreamStats()
         self._wake: asyncio.TimerHandle | None = None
         self._soon = False
+        #: while a step's jobs are released: the model time it ended (``on_done`` reads it)
+        self.released_at: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -90,9 +92,12 @@ class ModeledStream:
             return
         earliest = sc.earliest()
         start = max(earliest, self.free_at)
-        # back to back, a step starts at the modeled end of the last one and takes what had
-        # arrived by then; an idle stream starts now with what is here now
-        arrived_by = max(start, self.now()) if earliest >= self.free_at else start
+        # a step starts at the modeled end of the last one, or on an idle stream at the
+        # modeled arrival of its oldest job, and takes what had arrived by then, as in the
+        # simulator: jobs carry model-time arrivals (a frame to this server arrives at its
+        # modeled send time), so what arrived later waits for the next step even when the
+        # loop queued it before this callback ran
+        arrived_by = start
         ready = sc.ready_at(start)
         if ready > start and ready > self.now():  # hold for more work (``hold_s``)
             if self._wake is None:
@@ -129,9 +134,15 @@ class ModeledStream:
         self.stats.late.append(now - self.wall(end))
         self.stats.service.append((model, (now - self.wall(start)) / self.T))
         self.sched.finish()
-        for j in jobs:
-            self.on_done(j)
-        self._start()
+        self.released_at = end
+        try:
+            for j in jobs:
+                self.on_done(j)
+        finally:
+            self.released_at = None
+        if not self._soon:  # after the frames already in the loop's queue are delivered
+            self._soon = True
+            self.loop.call_soon(self._start)
 
     def backlog(self) -> float:
         """Queued work in model seconds (what the server publishes each window)."""

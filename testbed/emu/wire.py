@@ -73,6 +73,7 @@ class Kind(IntEnum):
     PONG = 8
     CHALLENGE = 9
     AUTH = 10
+    FEEDBACK = 11
 
 
 class DType(IntEnum):
@@ -184,6 +185,25 @@ class State:
 
 
 @dataclass(frozen=True, slots=True)
+class Feedback:
+    """A finished token-layer's realized costs, from the aggregator (where the record is
+    made) to the server that routed it: its decider's ``on_layer_done`` gets them, as the
+    simulator hands each record to the decider that made the decision."""
+
+    src: int  # the aggregator
+    request: int
+    token: int
+    layer: int
+    seq: int  # the HIDDEN frame's seq
+    window: int  # scheduling window the layer completed in
+    fanout_s: float
+    compute_s: float
+    fanin_s: float
+    offload_s: float  # the world's load time of the slowest CPU-tier replica
+    dq: float  # the layer's quality increment (derived by the backend)
+
+
+@dataclass(frozen=True, slots=True)
 class Fail:
     """A token cannot continue: tells its home (a peer that is not the home forwards it)."""
 
@@ -233,7 +253,8 @@ class Auth:
     mac: bytes
 
 
-Message = Union[Hidden, Partial, Token, State, Fail, Shutdown, Ping, Pong, Challenge, Auth]
+Message = Union[Hidden, Partial, Token, State, Fail, Shutdown, Ping, Pong, Challenge, Auth,
+                Feedback]
 TENSOR_MESSAGES = (Hidden, Partial, Token)
 
 
@@ -334,7 +355,7 @@ ENVELOPE_SIZE = _ENVELOPE.size
 _KIND_OF: dict[type, Kind] = {Hidden: Kind.HIDDEN, Partial: Kind.PARTIAL, Token: Kind.TOKEN,
                               State: Kind.STATE, Fail: Kind.FAIL, Shutdown: Kind.SHUTDOWN,
                               Ping: Kind.PING, Pong: Kind.PONG, Challenge: Kind.CHALLENGE,
-                              Auth: Kind.AUTH}
+                              Auth: Kind.AUTH, Feedback: Kind.FEEDBACK}
 _CLASS_OF = {k: c for c, k in _KIND_OF.items()}
 
 _REQ = (("request", "Q"), ("token", "I"), ("layer", "H"), ("seq", "Q"))
@@ -351,6 +372,8 @@ _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
     Pong: (("src", "H"), ("seq", "Q"), ("t_ping", "d"), ("t_send", "d")),
     Challenge: (("src", "H"), ("nonce", f"{NONCE_BYTES}s")),
     Auth: (("src", "H"), ("mac", f"{MAC_BYTES}s")),
+    Feedback: (("src", "H"), *_REQ, ("window", "Q"), ("fanout_s", "d"), ("compute_s", "d"),
+               ("fanin_s", "d"), ("offload_s", "d"), ("dq", "d")),
 }
 _STRUCTS = {c: struct.Struct("<" + "".join(f for _, f in lay)) for c, lay in _SCALARS.items()}
 

@@ -35,7 +35,7 @@ import yaml
 
 from hetroute.state import StateView
 
-from ..core import TokenLayerCore
+from ..core import TokenLayerCore, calibrate_decision_s
 from ..lifecycle import die_with_parent
 from ..records import RecordWriter
 from ..setup import build_setup
@@ -159,6 +159,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up
+        self.router_warmup_s = warm_router(self.setup.router, self.setup.shape.n_layers)
         print("READY", flush=True)
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if not line.startswith("START"):
@@ -205,13 +206,33 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "late_over_tolerance": int((late > RELEASE_LATE_REL * np.maximum(svc[:, 0] * self.T, 1e-4)).sum()),
                 "service_ratio_p50": float(np.median(rel)), "service_ratio_p99": float(np.percentile(rel, 99)),
                 "decisions": len(self.decision_cpu),
+                "router_warmup_ms": getattr(self, "router_warmup_s", 0.0) * 1e3,
                 "decision_cpu_us_mean": float(np.mean(self.decision_cpu) * 1e6) if self.decision_cpu else 0.0,
                 "decision_cpu_us_p99": float(np.percentile(self.decision_cpu, 99) * 1e6)
                 if self.decision_cpu else 0.0,
+                **{f"hop_{name}_ms_{q}": float(np.percentile(v, qv) * 1e3) if v else 0.0
+                   for name, v in (("dispatch", self.hop_dispatch), ("partial", self.hop_partial),
+                                   ("queue", self.hop_queue))
+                   for q, qv in (("p50", 50), ("p99", 99))},
                 "max_silence_windows": [round(g / (self.window * self.T), 3) for g in self.max_gap],
                 "wire_errors": self.net.wire_errors, "auth_failures": self.net.auth_failures,
                 "spoofed_frames": self.net.spoofed_frames, "bytes_sent": self.net.sent_bytes,
                 "delivery_late_mean_ms": self.net.late_deliveries / max(1, self.net.frames_in) * 1e3}
+
+
+def warm_router(router, layers: int) -> float:
+    """Run a few decisions of the router before the run starts; returns their CPU seconds.
+
+    The emulator charges each decision's measured CPU time to the server's modeled CPU
+    (not divided by T). A router's first decision in a process can cost far more than the
+    rest: HetRoute's numba kernel compiles or loads its cache then, 136-306 ms of CPU per
+    worker measured on paper10, which queued every decision behind it at each server. The
+    simulator's process has made its calibration decisions before its run starts, so its
+    first decision costs what the others do. The decisions here are made by a fresh
+    instance (``calibrate_decision_s``), so the run's deciders keep their state."""
+    t0 = time.thread_time()
+    calibrate_decision_s(router, samples=max(1, layers), repeats=1)
+    return time.thread_time() - t0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,14 +6,14 @@ with the output after the last one (TOKEN, final).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from hetroute.state import Assignment, TokenView
 
 from ...core import Routed
-from ..wire import DType, Frame, Hidden, Ran, Token
+from ..wire import DType, Feedback, Frame, Hidden, Ran, Token
 
 
 @dataclass
@@ -52,6 +52,16 @@ class Aggregation:
                              (arrival - self.t0) / self.T, m.ran)
         self._maybe_complete(g)
 
+    def _on_feedback(self, m: Feedback) -> None:
+        """A token-layer this server routed is done elsewhere: its realized costs (the
+        record's fields a router's feedback reads) go to this server's decider, in the
+        window this server is in when they arrive. The aggregator's window may be another
+        (the frame crossed a window boundary, or the peers' window timers differ by the
+        loop's lag); a decider's windows never go back, as in the simulator, whose records
+        and decisions share one window counter."""
+        w = self.view.window
+        self.decider.on_layer_done(m if m.window == w else replace(m, window=w))
+
     def _stale(self, key: tuple) -> bool:
         """A later attempt of the same token-layer is open: this one was abandoned."""
         rid, tok, layer, seq = key
@@ -65,7 +75,9 @@ class Aggregation:
         rid, tok, layer, seq = g.key
         for old in [k for k in self.gathers if k[:3] == (rid, tok, layer) and k[3] < seq]:
             del self.gathers[old]  # an abandoned attempt of this layer
-        t = self.now()
+        # the layer ends when its last partial arrived (model time, the simulator's fan-in end),
+        # not when this loop got round to it
+        t = max(h.t_dispatch, max(p[3] for p in g.partials.values()))
         picks = h.assignment
         if self.inrun is not None:
             out = self.inrun.combine(h.layer, g.hidden, [p[0] for p in g.partials.values()])
@@ -98,16 +110,23 @@ class Aggregation:
                                comp_end, t, n_bytes, len(g.partials), self.view.window)
         self.writer.token_layer(rec)
         self.stats["token_layers"] += 1
-        self.decider.on_layer_done(rec)  # recorded (and fed back) where the layer aggregates
+        # recorded where the layer aggregates; fed back to the decider that routed it (the
+        # simulator's rule): here, or at the residing server by a FEEDBACK frame
+        if theta == self.rank:
+            self.decider.on_layer_done(rec)
+        else:
+            self._send(theta, Frame(Feedback(self.rank, h.request, h.token, h.layer, h.seq,
+                                             rec.window, rec.fanout_s, rec.compute_s,
+                                             rec.fanin_s, rec.offload_s, rec.dq)))
         lam = float(h.lam_acc) + dq
         if not last:
             self._begin_layer(Token(src=self.rank, request=h.request, token=h.token,
                                     layer=h.layer + 1, seq=h.seq, home=h.home, lam_acc=lam,
-                                    final=False, router_ctx=h.router_ctx), out)
+                                    final=False, router_ctx=h.router_ctx), out, t)
             return
         final = Token(src=self.rank, request=h.request, token=h.token, layer=self.L, seq=h.seq,
                       home=h.home, lam_acc=lam, final=True, dtype=DType.FLOAT32, shape=(self.d,))
         why = f"home {self.setup.cluster.names[h.home]} unreachable"
         if not self._send(h.home, self._hidden_frame(final, out),
-                          lambda _, final=final, why=why: self._token_failed(final, why)):
+                          lambda _, final=final, why=why: self._token_failed(final, why), at=t):
             self._token_failed(final, why)

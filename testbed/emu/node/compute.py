@@ -65,12 +65,17 @@ class Compute:
         for j, r in mine:
             self.stream.submit(Job(h.layer, r, (rid, index), rid, index, t_arr,
                                    Work(x, p, float(w[j]), j), prio))
+        self.hop_queue.append(time.monotonic() - arrival)
 
     def _job_done(self, job: Job) -> None:
         work: Work = job.owner
+        # the model time the step ended (its jobs are released then), not the loop's now
+        t_end = self.stream.released_at
+        if t_end is None:
+            t_end = self.now()
         if job.replica == DENSE:  # the dense part ran: route the layer
             tok, h, t_layer = work.owner
-            self._decide(tok, h, t_layer, 0)
+            self._decide(tok, h, t_layer, 0, t_end)
             return
         p = work.owner
         p.gpus[work.position] = job.gpu
@@ -81,13 +86,15 @@ class Compute:
         self.parts.pop(p.key, None)
         h = p.msg
         out = Partial(src=self.rank, request=h.request, token=h.token, layer=h.layer, seq=h.seq,
-                      t_arrived=p.arrival, t_computed=self.now(),
+                      t_arrived=p.arrival, t_computed=t_end,
                       ran=tuple(Ran(j, bool(g)) for j, g in sorted(p.gpus.items())),
                       dtype=DType.FLOAT32, shape=(self.d,))
         agg = h.aggregator
         why = f"partial output cannot reach server {agg}"
+        self.hop_partial.append(time.monotonic() - self.wall(t_end))
         if not self._send(agg, self._hidden_frame(out, p.partial),
-                          lambda _, p=p, why=why: self._relayer(p.key, p.msg, p.hidden, why)):
+                          lambda _, p=p, why=why: self._relayer(p.key, p.msg, p.hidden, why),
+                          at=t_end):
             self._relayer(p.key, h, p.hidden, why)  # re-route the layer from here
 
     def _prefetch(self, replicas) -> None:

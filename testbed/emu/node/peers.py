@@ -17,7 +17,7 @@ from collections import deque
 
 import torch
 
-from ..wire import Fail, Frame, Hidden, Partial, State, Token, tensor_frame
+from ..wire import Fail, Feedback, Frame, Hidden, Partial, State, Token, tensor_frame
 
 SILENT_WINDOWS = 2  # a peer silent this many windows is lost (it sends STATE every window)
 
@@ -55,10 +55,14 @@ class Peers:
         self._check_timeouts()
         self.loop.call_at(self.wall((window + 1) * self.window), self._tick, window + 1)
 
-    def _send(self, dst: int, frame: Frame, resolve=None) -> bool:
-        """Send ``frame``; ``resolve(dst)`` runs if ``dst`` is lost before acknowledging it."""
+    def _send(self, dst: int, frame: Frame, resolve=None, at: float | None = None) -> bool:
+        """Send ``frame``; ``resolve(dst)`` runs if ``dst`` is lost before acknowledging it.
+        ``at`` is the model time the frame is sent: a frame to this server itself arrives
+        then (no link to cross), not when the event loop got round to sending it, so the
+        worker's own Python time does not move its jobs' arrival (as in the simulator)."""
         if dst == self.rank:
-            self.loop.call_soon(self._on_frame, frame, time.monotonic())
+            self.loop.call_soon(self._on_frame, frame,
+                                time.monotonic() if at is None else self.wall(at))
             return True
         if not self.reachable[dst]:  # lost: a cut link would swallow the frame without an error
             return False
@@ -95,11 +99,13 @@ class Peers:
             elif isinstance(m, Partial):
                 self._on_partial(frame, arrival)
             elif isinstance(m, Token):
-                self._on_token(frame)
+                self._on_token(frame, arrival)
             elif isinstance(m, State):
                 self.peer_backlog[m.src] = m.backlog_s
                 if m.received:
                     self._acked(m.src, m.received)
+            elif isinstance(m, Feedback):
+                self._on_feedback(m)
             elif isinstance(m, Fail):
                 self._on_fail(m)
         except Exception:  # one bad token must not take the server down

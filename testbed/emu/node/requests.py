@@ -34,39 +34,41 @@ class Requests:
     def _arrive(self, rq) -> None:
         req = HomeRequest(rq.id, rq.user, rq.arrival_s, rq.prompt_tokens, rq.gen_tokens)
         self.requests[rq.id] = req
-        for i in range(req.prompt):
-            self._start_token(req, i)
+        for i in range(req.prompt):  # all at the request's arrival (model time), as the simulator
+            self._start_token(req, i, rq.arrival_s)
 
-    def _start_token(self, req: HomeRequest, index: int) -> None:
+    def _start_token(self, req: HomeRequest, index: int, t: float | None = None) -> None:
         if self.inrun is not None:
             h = self.inrun.embed(req.rid, index)
         else:
             g = torch.Generator().manual_seed(hash((self.spec.seed, req.rid, index)) & 0x7FFFFFFF)
             h = torch.randn(self.d, generator=g)
         self._begin_layer(Token(src=self.rank, request=req.rid, token=index, layer=0, seq=0,
-                                home=self.rank, lam_acc=0.0, final=False), h)
+                                home=self.rank, lam_acc=0.0, final=False), h, t)
 
-    def _on_token(self, frame: Frame) -> None:
+    def _on_token(self, frame: Frame, arrival: float | None = None) -> None:
         m = frame.msg
+        t = self.now() if arrival is None else (arrival - self.t0) / self.T
         rq = self.requests.get(m.request)
         if rq is None or rq.done or m.token in rq.finished:
             return
         rq.finished.add(m.token)
         if self.inrun is not None:
             rq.scores[m.token] = self.inrun.score(rq.rid, m.token, frame.tensor())
-        nxt = rq.token_done(m.token, float(m.lam_acc), self.now())
+        nxt = rq.token_done(m.token, float(m.lam_acc), t)
         if nxt == FINISHED:
-            self._request_done(rq, "ok", "")
+            self._request_done(rq, "ok", "", t)
         elif nxt is not None:
-            self._start_token(rq, nxt)
+            self._start_token(rq, nxt, t)
 
     def _request_failed(self, rq: HomeRequest, reason: str) -> None:
         if not rq.done:
             self._request_done(rq, "failed", reason)
 
-    def _request_done(self, rq: HomeRequest, status: str, reason: str) -> None:
+    def _request_done(self, rq: HomeRequest, status: str, reason: str,
+                      t: float | None = None) -> None:
         rq.done = True
-        t = self.now()
+        t = self.now() if t is None else t
         lam_mean, lam_max = rq.lam_stats()
         self.writer.request(rq.row(rq.rid, rq.user, self.rank, rq.arrival, t, status, reason))
         if self.inrun is not None and status == "ok":

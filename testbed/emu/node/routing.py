@@ -30,8 +30,15 @@ class Routing:
     def _init_routing(self) -> None:
         self.routing_cache: dict[int, tuple] = {}
         self.cpu_free = 0.0  # model time this server's CPU is free of routing decisions
+        self.measured_decisions = self.spec.engine.decision_s == "measured"
         self.decision_cpu: list[float] = []  # measured CPU seconds per decision (wall, not dilated)
         self.relayered: set[tuple] = set()  # token-layer attempts already re-routed or failed here
+        #: wall seconds the worker's own Python adds per hop (reported in w<rank>.json): from a
+        #: frame's modeled send time to its write (dispatch after the decision; partial after
+        #: its step's end) and from a frame's arrival to its jobs being queued
+        self.hop_dispatch: list[float] = []
+        self.hop_partial: list[float] = []
+        self.hop_queue: list[float] = []
 
     def _routing(self, rid: int, n_tokens: int):
         """(global expert ids [token][layer][k], gate weights) of a request, from the trace."""
@@ -55,8 +62,10 @@ class Routing:
         rq = self.setup.requests[rid] if 0 <= rid < len(self.setup.requests) else None
         return rq.arrival_s if rq is not None else 0.0
 
-    def _begin_layer(self, tok: Token, h: torch.Tensor) -> None:
-        t_layer = self.now()
+    def _begin_layer(self, tok: Token, h: torch.Tensor, t_layer: float | None = None) -> None:
+        """``t_layer``: the model time the token reached this server (its layer's start);
+        now when not given."""
+        t_layer = self.now() if t_layer is None else t_layer
         if self.inrun is not None:  # the layer's attention (and dense block) runs here
             h = self.inrun.attend(tok.request, tok.token, tok.layer, h)
         if not self.hardware:  # the paper's world: a per-token delay outside the stream
@@ -66,10 +75,13 @@ class Routing:
         self.stream.submit(Job(tok.layer, DENSE, (rid, index), rid, index, t_layer,
                                Work(owner=(tok, h, t_layer)), self._prio(rid)))
 
-    def _decide(self, tok: Token, h: torch.Tensor, t_layer: float, retries: int) -> None:
+    def _decide(self, tok: Token, h: torch.Tensor, t_layer: float, retries: int,
+                t_dec: float | None = None) -> None:
+        """``t_dec``: the model time the decision may start (the dense step's end); now when
+        not given (a re-route)."""
         if self.stopping:
             return
-        t_dec = self.now()
+        t_dec = self.now() if t_dec is None else t_dec
         rid, index, layer = tok.request, tok.token, tok.layer
         n_tok = self._n_tokens(rid, tok)
         targets = tuple(self._routing(rid, n_tok)[0][index][layer])
@@ -82,11 +94,14 @@ class Routing:
         except Unroutable as err:
             self._token_failed(tok, str(err))
             return
-        # the decision's measured CPU time is emulated time, not divided by T: the
-        # dispatch waits for it, behind earlier decisions of this server's CPU
+        # the decision's charge (``engine.decision_s``, as the simulator charges it: the
+        # calibrated constant, a fixed number, or with ``measured`` its own CPU time) is
+        # emulated time, not divided by T: the dispatch waits for it, behind earlier
+        # decisions of this server's CPU. The measured time is kept for the fidelity report
         self.decision_cpu.append(routed.decision_s)
+        cost = routed.decision_s if self.measured_decisions else self.setup.decision_s
         start = self.cpu_free if self.cpu_free > t_dec else t_dec
-        self.cpu_free = t_disp = start + routed.decision_s
+        self.cpu_free = t_disp = start + cost
         if self.wall(t_disp) > time.monotonic():
             self.loop.call_at(self.wall(t_disp), self._dispatch, tok, h, t_layer, retries,
                               tv, routed, t_dec, t_disp)
@@ -122,8 +137,9 @@ class Routing:
             self._relayer(key, out, h, f"server {self.setup.cluster.names[peer]} lost")
         # the aggregator needs the state even where it runs none of the targets
         # (a whole-layer pipeline such as EdgeShard aggregates away from its experts)
+        self.hop_dispatch.append(time.monotonic() - self.wall(t_disp))
         for n in sorted(set(participants) | {int(a.next_server)}):
-            if not self._send(n, frame, lost):
+            if not self._send(n, frame, lost, at=t_disp):
                 self.relayered.add(key)  # retried below; what was sent of it is stale
                 self.view.alive[n] = False
                 self.view.faultless = False
