@@ -182,6 +182,69 @@ def test_workers_die_with_a_sigkilled_runner(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
 
 
+_INTRUDER = textwrap.dedent("""
+    import asyncio, sys
+    from testbed.emu.wire import Auth, Challenge, Frame, FrameDecoder, Ping, auth_mac, encode_header
+
+    def raw(frame):
+        return encode_header(frame) + bytes(frame.payload) + bytes(frame.pad_len)
+
+    ANSWERS = [lambda n: raw(Frame(Ping(1, 0, 0.0))),  # the old handshake: a PING naming rank 1
+               lambda n: b"\\x00" * 200,  # garbage
+               lambda n: raw(Frame(Auth(1, auth_mac(b"g" * 32, n, 1, 0))))]  # a guessed secret
+
+    async def main(host, port):
+        for answer in ANSWERS:
+            r, w = await asyncio.open_connection(host, port)
+            dec, frames = FrameDecoder(), []
+            while not frames:
+                frames = dec.feed(await r.read(4096))
+            assert isinstance(frames[0].msg, Challenge)
+            w.write(answer(frames[0].msg.nonce))
+            await w.drain()
+            await asyncio.sleep(0.2)
+            w.close()
+        print("sent", len(ANSWERS), flush=True)
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+""")
+
+
+def test_an_impersonator_in_another_namespace_changes_no_peer_state(tmp_path: Path) -> None:
+    """Mid-run, a process in worker 2's network namespace connects to worker 0 three times
+    claiming to be worker 1 (a PING, garbage, an AUTH under a guessed secret): each
+    connection is refused, no worker loses a peer, and every request finishes."""
+    import json
+    import psutil
+    from testbed.emu.hosts.names import WORKER_MARK
+    p, out = _start_run(tmp_path)
+    try:
+        cfg0 = json.loads((out / "workers" / "w0.config.json").read_text())
+        host, port = cfg0["listen"]["2"], cfg0["port"]  # worker 0's end of the (2, 0) link
+        ns_pid = next(pr.pid for pr in psutil.process_iter(["cmdline"])
+                      if WORKER_MARK in " ".join(pr.info["cmdline"] or ())
+                      and any(a.endswith("w2.config.json") for a in pr.info["cmdline"]))
+        intruder = subprocess.run(["nsenter", f"--net=/proc/{ns_pid}/ns/net", sys.executable, "-c",
+                                   _INTRUDER, host, str(port)], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=60)
+        assert intruder.returncode == 0 and "sent 3" in intruder.stdout, intruder.stderr[-2000:]
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    workers = {w["rank"]: w for w in (json.loads(f.read_text())
+                                      for f in (out / "workers").glob("w[0-9].json"))}
+    assert workers[0]["auth_failures"] == 3 and workers[1]["auth_failures"] == 0
+    logs = "".join((out / "workers" / f"w{r}.log").read_text() for r in range(3))
+    assert "unreachable" not in logs, logs[-3000:]
+    from testbed.records import read_records
+    _, rq = read_records(out)
+    assert len(rq) > 0 and (rq.status == "ok").all(), rq.status.value_counts()
+    assert any("3 connections refused" in f for f in json.loads((out / "fidelity.json").read_text())["flags"])
+
+
 def test_inrun_quality_workers_run_the_proxy_on_real_hidden_states(tmp_path: Path) -> None:
     """quality.inrun: every request's loss measured by the workers during the run.
 
