@@ -113,22 +113,23 @@ class TokenLayerCore:
         per_server, dq = plan
         err = 0.0
         bl, adm, pend = view.backlog, view.admitted, view.pending
+        item = bl.item  # Python floats: numpy scalar arithmetic costs more, same IEEE result
         for n in per_server:
-            d = bl[n] - true_backlog(n)
+            d = item(n) - true_backlog(n)
             if (d if d > 0 else -d) > (err if err > 0 else -err):
                 err = d
         now = tok.now
         is_gpu, sg, ag, ac = residency.is_gpu, self.static_gpu, self.admit_gpu, self.admit_cpu
         for r in a.replicas:  # line 27 of Algorithm 2 (StateView.admit), in the decider's belief
             n = rs[r]
-            b = bl.item(n)  # a Python float: numpy scalar arithmetic costs more, same IEEE result
+            b = item(n)
             until = now + b
             if until > pend.get(r, -1.0):
                 pend[r] = until
             gpu = is_gpu(r) if n == theta else sg[r]
             w = ag[r] if gpu else ac[r]
             bl[n] = b + w
-            adm[n] += w
+            adm[n] = adm.item(n) + w
         d = a.dq - dq
         if d > 1e-12 + 1e-9 * dq or d < -1e-12 - 1e-9 * dq:  # the router's belief is wrong
             self.dq_misreported += 1

@@ -27,7 +27,7 @@ Times are model seconds; the emulator multiplies them by its dilation.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Callable
@@ -38,7 +38,6 @@ from hetroute.system import Precision
 DENSE = -1  # replica id of a dense-part job
 _BY_PRIO = attrgetter("prio", "seq")
 _ARRIVAL = attrgetter("arrival")
-_REPLICA = attrgetter("replica")
 
 
 class Job:
@@ -123,7 +122,7 @@ class StepScheduler:
         else:
             group.append(job)
         head = self._head.get(layer)
-        if head is None or prio < head[0] or (prio == head[0] and seq < head[1]):
+        if head is None or prio < head[0]:  # (a tie on prio keeps the head: its seq is older)
             self._head[layer] = (prio, seq)
         pend = self._pending.get(layer)
         if pend is None:
@@ -277,7 +276,9 @@ class StepScheduler:
         """Stream seconds, active replicas, loads and expert jobs of a step; marks each job
         with the tier its replica ran from."""
         svc, n = self.svc, self.n
-        counts = Counter(map(_REPLICA, jobs))  # replicas in order of first appearance
+        counts: dict[int, int] = {}  # replicas in order of first appearance
+        for j in jobs:
+            counts[j.replica] = counts.get(j.replica, 0) + 1
         dur, loads, tier = 0.0, 0, {}
         precision_of, resident, on_execute = self.precision_of, self.resident, self.on_execute
         for r, c in counts.items():

@@ -431,7 +431,7 @@ class SimBackend:
         if sc.busy or not sc.queue:
             return
         t = self.now
-        ready = sc.ready_at(t)
+        ready = sc.ready_at(t) if sc.hold else t  # (without a hold, a step may start now)
         if ready > t:
             if self.wake_at[n] != ready:
                 self.wake_at[n] = ready
