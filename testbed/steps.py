@@ -36,7 +36,10 @@ from hetroute.service import ServiceModel
 from hetroute.system import Precision
 
 DENSE = -1  # replica id of a dense-part job
-_BY_PRIO = attrgetter("prio", "seq")
+#: a group's order is (prio, seq); sorting by prio alone gives it, as the sort is stable
+#: and jobs of equal prio always sit in seq order in a group (appended with rising seq;
+#: what a partial take leaves is sorted) -- and a float key sorts faster than a tuple
+_BY_PRIO = attrgetter("prio")
 _ARRIVAL = attrgetter("arrival")
 
 
