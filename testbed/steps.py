@@ -278,6 +278,8 @@ class StepScheduler:
     def _cost(self, jobs: list[Job]) -> tuple[float, int, int, int]:
         """Stream seconds, active replicas, loads and expert jobs of a step; marks each job
         with the tier its replica ran from."""
+        if self.scope == "replica" and jobs[0].replica != DENSE:
+            return self._cost_one(jobs)
         svc, n = self.svc, self.n
         counts: dict[int, int] = {}  # replicas in order of first appearance
         for j in jobs:
@@ -307,6 +309,23 @@ class StepScheduler:
         if DENSE in counts:  # a request's KV cache is read once per step
             dur += svc.dense_s(n, counts[DENSE], attn, sum(per_request.values()))
         return dur, len(tier), loads, len(jobs) - counts.get(DENSE, 0)
+
+    def _cost_one(self, jobs: list[Job]) -> tuple[float, int, int, int]:
+        """``_cost`` of a step of one replica's jobs (the replica scope: the paper's world
+        runs a step per replica), without the general case's counting; the same floats."""
+        r = jobs[0].replica
+        p = self.precision_of(r)
+        gpu = self.resident(r)
+        if self.on_execute is not None:
+            self.on_execute(r, not gpu)
+        dur, loads = 0.0, 0
+        if not gpu:
+            dur += self.svc.load_s(self.n, p)
+            loads = 1
+        dur += self.svc.expert_s(self.n, p, len(jobs))
+        for j in jobs:
+            j.gpu = gpu
+        return dur, 1, loads, len(jobs)
 
     def finish(self) -> None:
         self.busy = False
