@@ -37,6 +37,11 @@ from .records import TokenLayerRecord
 
 DECISION_SAMPLES = 256  # token-layers timed at set-up for ``decision_s: calibrated``
 DECISION_REPEATS = 5  # passes over them; each token-layer's fastest pass counts
+PLAN_MEMO = 1 << 16  # assignments whose participants and increment are kept (then start over)
+_thread_time = time.thread_time
+#: builds a record without the named tuple's Python-level ``__new__`` (the fields are
+#: passed in order, all of them, so the generated constructor would add nothing)
+_new_record = tuple.__new__
 
 
 @dataclass(slots=True)
@@ -75,6 +80,11 @@ class TokenLayerCore:
                           for r in dep.replicas]
         #: the world's GPU-CPU load of each replica (realized offload cost)
         self.world_load = [w.load_s(r.server, r.precision) for r in dep.replicas]
+        #: (targets, replicas) -> (participant -> positions, quality increment): a run sees
+        #: the same few assignments again and again, and both follow from the pair alone
+        self._plans: dict[tuple, tuple[dict[int, list[int]], float]] = {}
+        #: replicas -> (executed experts, servers, precisions) for the records
+        self._rows: dict[tuple, tuple[tuple, tuple, tuple]] = {}
         #: token-layers whose router-reported ``Assignment.dq`` differs from the derived one
         self.dq_misreported = 0
         self.dq_misreport_first: tuple | None = None  # (request, token, layer, reported, derived)
@@ -89,44 +99,64 @@ class TokenLayerCore:
         deployment. ``true_backlog(n)`` is server n's real queue in stream seconds (the
         simulator's truth; the emulator's latest report), used only to measure
         the view's staleness."""
-        t0 = time.thread_time()  # CPU time: an emulation host's other workers do not inflate it
+        t0 = _thread_time()  # CPU time: an emulation host's other workers do not inflate it
         a = decider.route(tok, targets, view)
-        spent = time.thread_time() - t0
+        spent = _thread_time() - t0
         theta = tok.server
         rs = self.rep_server
-        per_server: dict[int, list[int]] = {}
-        for j, r in enumerate(a.replicas):
-            n = rs[r]
-            lst = per_server.get(n)
-            if lst is None:
-                per_server[n] = [j]
-            else:
-                lst.append(j)
+        try:
+            plan = self._plans.get((a.targets, a.replicas))
+        except TypeError:  # a router that hands back lists: not memoised
+            plan = None
+        if plan is None:
+            plan = self._plan(a.targets, a.replicas)
+        per_server, dq = plan
         err = 0.0
         bl, adm, pend = view.backlog, view.admitted, view.pending
+        item = bl.item  # Python floats: numpy scalar arithmetic costs more, same IEEE result
         for n in per_server:
-            d = bl[n] - true_backlog(n)
+            d = item(n) - true_backlog(n)
             if (d if d > 0 else -d) > (err if err > 0 else -err):
                 err = d
         now = tok.now
         is_gpu, sg, ag, ac = residency.is_gpu, self.static_gpu, self.admit_gpu, self.admit_cpu
         for r in a.replicas:  # line 27 of Algorithm 2 (StateView.admit), in the decider's belief
             n = rs[r]
-            b = bl.item(n)  # a Python float: numpy scalar arithmetic costs more, same IEEE result
+            b = item(n)
             until = now + b
             if until > pend.get(r, -1.0):
                 pend[r] = until
             gpu = is_gpu(r) if n == theta else sg[r]
             w = ag[r] if gpu else ac[r]
             bl[n] = b + w
-            adm[n] += w
-        dq = self.increment(a.targets, a.replicas)
+            adm[n] = adm.item(n) + w
         d = a.dq - dq
         if d > 1e-12 + 1e-9 * dq or d < -1e-12 - 1e-9 * dq:  # the router's belief is wrong
             self.dq_misreported += 1
             if self.dq_misreport_first is None:
                 self.dq_misreport_first = (tok.request, tok.index, tok.layer, a.dq, dq)
         return Routed(a, per_server, spent, tok.now - view.opened_at, err, dq)
+
+    def _plan(self, targets: tuple[int, ...], replicas: tuple[int, ...]
+              ) -> tuple[dict[int, list[int]], float]:
+        """Participants (server -> positions in the assignment) and the quality increment
+        of an assignment, memoised: ``Routed.per_server`` is read, never changed, so
+        decisions with the same assignment share it."""
+        rs = self.rep_server
+        per_server: dict[int, list[int]] = {}
+        for j, r in enumerate(replicas):
+            n = rs[r]
+            lst = per_server.get(n)
+            if lst is None:
+                per_server[n] = [j]
+            else:
+                lst.append(j)
+        plan = per_server, self.increment(targets, replicas)
+        if isinstance(targets, tuple) and isinstance(replicas, tuple):
+            if len(self._plans) >= PLAN_MEMO:
+                self._plans.clear()
+            self._plans[(targets, replicas)] = plan
+        return plan
 
     def increment(self, targets: tuple[int, ...], replicas: tuple[int, ...]) -> float:
         """The quality increment of an assignment (the inner sums of eq. 8), from the run's
@@ -151,22 +181,37 @@ class TokenLayerCore:
         scheduling windows at completion (routers group their feedback by it)."""
         a = routed.assignment
         theta = tok.server
-        rs, et, reps = self.rep_server, self.exec_table, a.replicas
-        servers = [rs[r] for r in reps]
+        et, reps = self.exec_table, a.replicas
+        cols = self._rows.get(reps) if isinstance(reps, tuple) else None
+        if cols is None:
+            cols = self._record_columns(reps)
+        experts, servers, precisions = cols
         types = [et[m][n == theta][g] for m, n, g in zip(a.modes, servers, gpus)]
         compute = compute_end - fan_out_end
         ce = compute_end if compute_end > fan_out_end else fan_out_end
-        re, rp, wl = self.rep_expert, self.rep_prec, self.world_load
         off = 0.0  # the world's load time of the slowest CPU-tier replica (realized offload)
-        for r, g in zip(reps, gpus):
-            if not g and wl[r] > off:
-                off = wl[r]
-        return TokenLayerRecord(
+        if not all(gpus):
+            wl = self.world_load
+            for r, g in zip(reps, gpus):
+                if not g and wl[r] > off:
+                    off = wl[r]
+        return _new_record(TokenLayerRecord, (
             tok.request, tok.index, tok.layer, t_start, theta, a.next_server, participants,
             fan_out_end - t_dispatch, compute if compute > 0 else 0.0, t_done - ce,
             t_done - t_start, nbytes, routed.dq, a.est_delay, routed.view_age_s, routed.backlog_err_s,
-            t_decided - t_start, t_dispatch - t_decided, a.targets, [re[r] for r in reps], reps,
-            servers, [rp[r] for r in reps], gpus, types, off, window)
+            t_decided - t_start, t_dispatch - t_decided, a.targets, list(experts), reps,
+            list(servers), list(precisions), gpus, types, off, window))
+
+    def _record_columns(self, reps: tuple[int, ...]) -> tuple[tuple, tuple, tuple]:
+        """Executed experts, servers and precisions of an assignment's replicas, memoised
+        (records get their own list copies: a router may keep what it is handed)."""
+        cols = (tuple(self.rep_expert[r] for r in reps), tuple(self.rep_server[r] for r in reps),
+                tuple(self.rep_prec[r] for r in reps))
+        if isinstance(reps, tuple):
+            if len(self._rows) >= PLAN_MEMO:
+                self._rows.clear()
+            self._rows[reps] = cols
+        return cols
 
 
 def calibrate_decision_s(router: Router, samples: int = DECISION_SAMPLES,

@@ -1,6 +1,7 @@
 """Records every backend writes: one row per token-layer and one per request.
 
-Rows are appended column-wise (plain lists, cheap on the hot path) and
+Rows are appended column-wise (plain lists; the per-row loop runs in C, see
+``RecordWriter.token_layer``) and
 flushed to numbered Parquet parts, so a killed run keeps what it had flushed.
 Per-target fields of a token-layer (target, executed expert, replica, server,
 precision, tier, execution type) are stored as fixed-size list columns of
@@ -9,6 +10,8 @@ length k.
 
 from __future__ import annotations
 
+from collections import deque
+from operator import call
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +52,7 @@ assert TokenLayerRecord._fields[:len(TOKEN_LAYER_SCALARS)] == tuple(n for n, _ i
 
 N_SCALARS = len(TOKEN_LAYER_SCALARS)
 N_WRITTEN = N_SCALARS + len(TOKEN_LAYER_LISTS)  # fields of a record that the table stores
+_drain = deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
 
 
 class RecordWriter:
@@ -70,17 +74,17 @@ class RecordWriter:
 
     # hot path ---------------------------------------------------------------
     def token_layer(self, rec: TokenLayerRecord) -> None:
-        for app, v in zip(self._apps, rec):  # the scalars come first
-            app(v)
-        for ext, vs in zip(self._exts, rec[N_SCALARS:N_WRITTEN]):
-            ext(vs)
+        # each stored field goes to its column: the scalars are appended, the per-target
+        # lists extended; ``map`` stops after the stored fields and the loop runs in C
+        _drain(map(call, self._adds, rec))
         self.rows += 1
         if self.rows % self.flush_rows == 0:
             self._flush("token_layers")
 
     def _bind(self) -> None:
-        self._apps = tuple(self.tl[n].append for n, _ in TOKEN_LAYER_SCALARS)
-        self._exts = tuple(self.tl_lists[n].extend for n, _ in TOKEN_LAYER_LISTS)
+        self._adds = (tuple(self.tl[n].append for n, _ in TOKEN_LAYER_SCALARS)
+                      + tuple(self.tl_lists[n].extend for n, _ in TOKEN_LAYER_LISTS))
+        assert len(self._adds) == N_WRITTEN
 
     def request(self, row: tuple) -> None:
         for (name, _), v in zip(REQUEST_COLUMNS, row):

@@ -115,7 +115,7 @@ class RunSetup:
         """(requests, tokens, L, k) local expert ids -> per request, token, layer: global ids."""
         E = self.shape.experts_per_layer
         glob = local + (np.arange(self.shape.n_layers) * E)[None, None, :, None]
-        return [[tuple(tuple(layer) for layer in tok) for tok in req] for req in glob.tolist()]
+        return [[tuple(map(tuple, tok)) for tok in req] for req in glob.tolist()]  # map: a C loop
 
 
 def make_trace(model: ModelSpec, source: str, params: dict | None, seed: int,

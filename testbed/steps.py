@@ -36,7 +36,11 @@ from hetroute.service import ServiceModel
 from hetroute.system import Precision
 
 DENSE = -1  # replica id of a dense-part job
-_BY_PRIO = attrgetter("prio", "seq")
+#: a group's order is (prio, seq); sorting by prio alone gives it, as the sort is stable
+#: and jobs of equal prio always sit in seq order in a group (appended with rising seq;
+#: what a partial take leaves is sorted) -- and a float key sorts faster than a tuple
+_BY_PRIO = attrgetter("prio")
+_ARRIVAL = attrgetter("arrival")
 
 
 class Job:
@@ -87,6 +91,7 @@ class StepScheduler:
         self._positions: dict[int, int] = {}  # layer -> positions its queued dense jobs attend
         self._layer_cost: dict[int, float] = {}  # layer -> estimated stream time
         self._head: dict[int, tuple[float, int]] = {}  # layer -> (prio, seq) of its first job
+        self._expert_steps: dict[Precision, list[float]] = {}  # see ``_extend_steps``
         self.busy = False
         self.free_at = 0.0
         self._seq = 0
@@ -120,7 +125,7 @@ class StepScheduler:
         else:
             group.append(job)
         head = self._head.get(layer)
-        if head is None or prio < head[0] or (prio == head[0] and seq < head[1]):
+        if head is None or prio < head[0]:  # (a tie on prio keeps the head: its seq is older)
             self._head[layer] = (prio, seq)
         pend = self._pending.get(layer)
         if pend is None:
@@ -134,13 +139,25 @@ class StepScheduler:
             delta = svc.dense_s(n, c + 1, new, new) - (svc.dense_s(n, c, old, old) if c else 0.0)
         else:
             p = self.precision_of(r)
-            delta = svc.expert_s(n, p, c + 1)
-            if c:
-                delta -= svc.expert_s(n, p, c)
-            elif not self.resident(r):
+            steps = self._expert_steps.get(p)
+            if steps is None:
+                steps = self._expert_steps[p] = []
+            if c >= len(steps):
+                self._extend_steps(steps, p, c)
+            delta = steps[c]
+            if not c and not self.resident(r):
                 delta += svc.load_s(n, p)
         self._layer_cost[layer] = self._layer_cost.get(layer, 0.0) + delta
         self.queued_s += delta
+
+    def _extend_steps(self, steps: list[float], p: Precision, c: int) -> None:
+        """Fill ``steps[b]`` up to b = c: what the (b+1)-th token adds to a replica's job
+        at precision ``p``, ``expert_s(b + 1) - expert_s(b)`` (``expert_s(1)`` for the
+        first): the same floats ``_submit_layer`` would compute, computed once."""
+        svc, n = self.svc, self.n
+        for b in range(len(steps), c + 1):
+            steps.append(svc.expert_s(n, p, b + 1) - svc.expert_s(n, p, b) if b
+                         else svc.expert_s(n, p, 1))
 
     def _update_layer(self, layer: int) -> None:
         """Re-estimate one layer's queued work from its counts (layer scope, after a step)."""
@@ -191,10 +208,12 @@ class StepScheduler:
         group = self.queue[key]
         if self.scope == "layer":
             group.sort(key=_BY_PRIO)
-        limit = now if arrived_by is None else arrived_by
+        limit = (now if arrived_by is None else arrived_by) + 1e-9
+        if len(group) <= self.max_tokens and max(map(_ARRIVAL, group)) <= limit:
+            return self._take_all(key, group, now)  # the common case: all of it
         taken, rest, tokens = [], [], set()
         for j in group:
-            if j.arrival <= limit + 1e-9 and (j.token in tokens or len(tokens) < self.max_tokens):
+            if j.arrival <= limit and (j.token in tokens or len(tokens) < self.max_tokens):
                 taken.append(j)
                 tokens.add(j.token)
             else:
@@ -231,21 +250,49 @@ class StepScheduler:
         self.jobs_run += len(taken)
         return Step(taken, now, dur, taken[0].layer, nrep, len(tokens), loads, experts)
 
+    def _take_all(self, key: int, jobs: list[Job], now: float) -> Step:
+        """``take`` when a group's whole queue (sorted, all arrived, within the token cap)
+        is the step: no split into taken and rest, and under the layer scope its counts,
+        positions and cost estimate go at once, with the same arithmetic as a partial
+        take followed by ``_update_layer``."""
+        del self.queue[key]
+        dur, nrep, loads, experts = self._cost(jobs)
+        if self.scope == "layer":
+            del self._head[key]
+            self._pending.pop(key, None)
+            self._positions.pop(key, None)
+            self.queued_s += 0.0 - self._layer_cost.pop(key, 0.0)
+            if not self.queue:
+                self.queued_s = 0.0  # no float drift
+        elif self.queue:
+            self.queued_s -= dur
+        else:
+            self.queued_s = 0.0  # no float drift
+        self.busy = True
+        self.free_at = now + dur
+        self.steps += 1
+        self.jobs_run += len(jobs)
+        return Step(jobs, now, dur, jobs[0].layer, nrep, len({j.token for j in jobs}), loads,
+                    experts)
+
     def _cost(self, jobs: list[Job]) -> tuple[float, int, int, int]:
         """Stream seconds, active replicas, loads and expert jobs of a step; marks each job
         with the tier its replica ran from."""
+        if self.scope == "replica" and jobs[0].replica != DENSE:
+            return self._cost_one(jobs)
         svc, n = self.svc, self.n
-        counts: dict[int, int] = {}
+        counts: dict[int, int] = {}  # replicas in order of first appearance
         for j in jobs:
             counts[j.replica] = counts.get(j.replica, 0) + 1
         dur, loads, tier = 0.0, 0, {}
+        precision_of, resident, on_execute = self.precision_of, self.resident, self.on_execute
         for r, c in counts.items():
             if r == DENSE:
                 continue
-            p = self.precision_of(r)
-            gpu = tier[r] = self.resident(r)
-            if self.on_execute is not None:
-                self.on_execute(r, not gpu)  # dynamic caches insert and evict here
+            p = precision_of(r)
+            gpu = tier[r] = resident(r)
+            if on_execute is not None:
+                on_execute(r, not gpu)  # dynamic caches insert and evict here
             if not gpu:
                 dur += svc.load_s(n, p)
                 loads += 1
@@ -262,6 +309,23 @@ class StepScheduler:
         if DENSE in counts:  # a request's KV cache is read once per step
             dur += svc.dense_s(n, counts[DENSE], attn, sum(per_request.values()))
         return dur, len(tier), loads, len(jobs) - counts.get(DENSE, 0)
+
+    def _cost_one(self, jobs: list[Job]) -> tuple[float, int, int, int]:
+        """``_cost`` of a step of one replica's jobs (the replica scope: the paper's world
+        runs a step per replica), without the general case's counting; the same floats."""
+        r = jobs[0].replica
+        p = self.precision_of(r)
+        gpu = self.resident(r)
+        if self.on_execute is not None:
+            self.on_execute(r, not gpu)
+        dur, loads = 0.0, 0
+        if not gpu:
+            dur += self.svc.load_s(self.n, p)
+            loads = 1
+        dur += self.svc.expert_s(self.n, p, len(jobs))
+        for j in jobs:
+            j.gpu = gpu
+        return dur, 1, loads, len(jobs)
 
     def finish(self) -> None:
         self.busy = False
