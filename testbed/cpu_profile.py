@@ -83,6 +83,46 @@ def measure_cpu(threads: int = 1, reps: int = 5, seed: int = 0) -> dict:
             "launch_s": launch, "gemm_profile": profile}
 
 
+class ReferenceGemm:
+    """The profile's square GEMM (aspect 1, ~4 M weights), timed again beside a measurement.
+
+    A shared VM's CPU speed drifts by tens of percent within minutes, and other jobs
+    take the cores in bursts (README, Tests). ``ratio`` times a kernel and this GEMM in
+    alternation, pass by pass, and returns the median of their ratios: the kernel's time
+    in units of the reference's, which drift and bursts longer than a pass cancel from.
+    A check of the model compares it with the prediction in the same units (the
+    prediction over the reference's time at calibration). The GEMM is one the model was
+    calibrated on, so the ratio carries no information about the shapes being checked.
+    """
+
+    def __init__(self, calibration: dict, gen: torch.Generator) -> None:
+        aspect, pts = min(calibration["gemm_profile"], key=lambda ap: abs(math.log(ap[0])))
+        self.k = int(round(math.sqrt(PROFILE_WEIGHTS * aspect) / 64)) * 64
+        self.n = PROFILE_WEIGHTS // self.k
+        self.calibrated = {int(b): s * self.k * self.n for b, s in pts}  # seconds per GEMM
+        self.pool = _pool(self.k, self.n, gen)
+        self.gen = gen
+
+    def ratio(self, kernel, tokens: int, passes: int = 9) -> tuple[float, float]:
+        """(median of kernel / reference time over alternating passes, median of the
+        reference's time now over its time at calibration); ``kernel()`` runs one pass
+        and returns how many kernels it ran."""
+        x = torch.randn(tokens, self.k, generator=self.gen)
+        ref_pass = lambda: [x @ w for w in self.pool]  # noqa: E731
+        kernel(), ref_pass()  # warm
+        ratios, speeds = [], []
+        for _ in range(passes):
+            t = time.perf_counter()
+            n = kernel()
+            t_k = (time.perf_counter() - t) / n
+            t = time.perf_counter()
+            ref_pass()
+            t_r = (time.perf_counter() - t) / len(self.pool)
+            ratios.append(t_k / t_r)
+            speeds.append(t_r / self.calibrated[tokens])
+        return statistics.median(ratios), statistics.median(speeds)
+
+
 def device_from(d: dict) -> Device:
     """The measured CPU as a ``Device``: achieved rates, FP32 weights and activations."""
     return Device(name=d["name"], flops=d["flops"], mem_bw=d["mem_bw"], alu=d["flops"],
@@ -108,8 +148,13 @@ def ffn_forward(ws: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x @ u) @ d
 
 
-def measure_ffn(d_model: int, d_ff: int, gated: bool, tokens: int, pool: list, gen: torch.Generator,
-                reps: int = 5) -> float:
-    """Seconds of one expert FFN over ``tokens`` tokens with cold weights (median)."""
+def ffn_pass(d_model: int, tokens: int, pool: list, gen: torch.Generator):
+    """One pass of the FFN over every weight set of ``pool`` (cold weights); returns a
+    callable that runs it and returns the number of FFNs run."""
     x = torch.randn(tokens, d_model, generator=gen)
-    return _median_s(lambda: [ffn_forward(ws, x) for ws in pool], reps) / len(pool)
+
+    def run() -> int:
+        for ws in pool:
+            ffn_forward(ws, x)
+        return len(pool)
+    return run
