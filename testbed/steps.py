@@ -244,11 +244,7 @@ class StepScheduler:
             self.queued_s -= dur
         else:
             self.queued_s = 0.0  # no float drift
-        self.busy = True
-        self.free_at = now + dur
-        self.steps += 1
-        self.jobs_run += len(taken)
-        return Step(taken, now, dur, taken[0].layer, nrep, len(tokens), loads, experts)
+        return self._started(taken, now, dur, nrep, len(tokens), loads, experts)
 
     def _take_all(self, key: int, jobs: list[Job], now: float) -> Step:
         """``take`` when a group's whole queue (sorted, all arrived, within the token cap)
@@ -268,12 +264,16 @@ class StepScheduler:
             self.queued_s -= dur
         else:
             self.queued_s = 0.0  # no float drift
+        return self._started(jobs, now, dur, nrep, len({j.token for j in jobs}), loads, experts)
+
+    def _started(self, jobs: list[Job], now: float, dur: float, nrep: int, n_tokens: int,
+                 loads: int, experts: int) -> Step:
+        """The stream is busy with ``jobs`` from ``now`` for ``dur`` seconds."""
         self.busy = True
         self.free_at = now + dur
         self.steps += 1
         self.jobs_run += len(jobs)
-        return Step(jobs, now, dur, jobs[0].layer, nrep, len({j.token for j in jobs}), loads,
-                    experts)
+        return Step(jobs, now, dur, jobs[0].layer, nrep, n_tokens, loads, experts)
 
     def _cost(self, jobs: list[Job]) -> tuple[float, int, int, int]:
         """Stream seconds, active replicas, loads and expert jobs of a step; marks each job
