@@ -223,10 +223,11 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
 def warm_router(router, layers: int) -> float:
     """Run a few decisions of the router before the run starts; returns their CPU seconds.
 
-    The emulator charges each decision's measured CPU time to the server's modeled CPU
-    (not divided by T). A router's first decision in a process can cost far more than the
-    rest: HetRoute's numba kernel compiles or loads its cache then, 136-306 ms of CPU per
-    worker measured on paper10, which queued every decision behind it at each server. The
+    A router's first decision in a process can cost far more than the rest: HetRoute's
+    numba kernel compiles or loads its cache then, 136-306 ms of CPU per worker measured on
+    paper10. Under ``engine.decision_s: measured`` the emulator charges that to the
+    server's modeled CPU (not divided by T) and every decision queued behind it; under the
+    default constant it would still stall the worker's loop in the first window. The
     simulator's process has made its calibration decisions before its run starts, so its
     first decision costs what the others do. The decisions here are made by a fresh
     instance (``calibrate_decision_s``), so the run's deciders keep their state."""
