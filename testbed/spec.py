@@ -123,6 +123,9 @@ class SimSpec(_Model):
     payload_efficiency: float = Field(
         0.956, gt=0, le=1, description="TCP/IP goodput share of link rate (1448/1514 B)")
     header_bytes: int = Field(64, ge=0, le=1 << 20, description="framing bytes per message")
+    hop_jitter_s: float = Field(0.0, ge=0, le=1.0, description="mean of an exponential extra "
+                                "delay per message that crosses a link (seeded): a sensitivity "
+                                "probe for the emulator's per-hop wall cost, not a physical term")
 
 
 class EmuSpec(_Model):
@@ -150,6 +153,18 @@ class EngineSpec(_Model):
         "'calibrated' (the router's median on calibration tokens, timed at set-up; the run's "
         "resolved spec holds the number), 'measured' "
         "(each decision's own CPU time; not bit-reproducible) or fixed seconds")
+    #: ``step`` is what serving engines do: a step's routing is computed for its whole batch
+    #: and its hidden states leave as one tensor per destination (a pipeline stage sends the
+    #: micro-batch's activations at once; expert parallelism dispatches a step's tokens by
+    #: all-to-all). ``token`` was the testbed's rule until 2026-11-26: the first token of a
+    #: prompt left alone and started a one-token step at the next server, and the rest queued
+    #: behind it, which made pipelines 1.3-1.5x slower and their means move 10-25% with a
+    #: 2% change of the decision constant or 50 us of jitter per hop (README, "Dispatch").
+    dispatch: Literal["token", "step"] = Field(
+        "step", description="'step': the tokens whose dense part ran in one step are decided, "
+        "then leave together, one message per destination, and a step's partials to one "
+        "aggregator travel as one; 'token': each token leaves when its own decision is done, "
+        "one message per token and hop. Hardware physics only (the paper's world is per token)")
 
 
 class FaultSpec(_Model):

@@ -38,7 +38,12 @@ GOLDEN = {
     "paper": "7a08912aa413d37912fe118b47d65d40b6a5dc5fee52fbaaf66d8129fad59a07",
 }
 
-SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1}, "engine": {"decision_s": 0},
+#: The digests above are of the per-token dispatch rule (``engine.dispatch: token``, the
+#: default until 2026-11-26), which stays available; ``STEP`` is the step rule's.
+STEP = "94cab10c4e931cbb144436501add0770cbee42ec7f135b942448e1a19c792333"
+
+SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
+        "engine": {"decision_s": 0, "dispatch": "token"},
         "workload": {"rate_per_s": 40, "duration_s": 0.25, "warmup_s": 0.0,
                      "calibration_tokens": 64}}
 
@@ -55,13 +60,14 @@ def digest(*frames: pd.DataFrame) -> str:
     return h.hexdigest()
 
 
-def run_digests(drop: list[str] | None = None) -> dict[str, str]:
+def run_digests(drop: list[str] | None = None, dispatch: str = "token") -> dict[str, str]:
     """Both physics on one placement (the world's physics does not enter the placement);
     ``drop``: request-table columns left out of the digest."""
     base = build_setup(parse_spec({**SPEC, "physics": "hardware"}))
     out = {}
     for physics in ("hardware", "paper"):
-        setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides({"physics": physics})))
+        setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides(
+            {"physics": physics, "engine.dispatch": dispatch})))
         writer = RecordWriter(None, setup.shape.top_k)
         SimBackend(setup, writer).run()
         writer.close()
@@ -75,6 +81,12 @@ def test_sim_records_match_the_recorded_digests():
     got = run_digests()
     assert got == GOLDEN, f"the simulator's records changed: {got}"
     assert run_digests(DECODE_COLUMNS) == BEFORE_SPEEDUP
+
+
+def test_step_dispatch_records_match_theirs_and_leave_the_papers_world_alone():
+    got = run_digests(dispatch="step")
+    assert got["paper"] == GOLDEN["paper"], "the paper's world is per token whatever the rule"
+    assert got["hardware"] == STEP, f"the step rule's records changed: {got['hardware']}"
 
 
 def test_batched_request_routing_equals_routing_each_request_alone():
@@ -98,4 +110,4 @@ def test_batched_request_routing_equals_routing_each_request_alone():
 
 
 if __name__ == "__main__":  # pragma: no cover - prints the digests to record
-    print(run_digests())
+    print(run_digests(), run_digests(dispatch="step")["hardware"])

@@ -54,8 +54,12 @@ class ModeledStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, dilation: float, scheduler: StepScheduler,
                  kernel: Kernel, on_done: Callable[[Job], None], now: Callable[[], float],
-                 wall: Callable[[float], float], log: Callable[[str], None] = lambda s: None) -> None:
+                 wall: Callable[[float], float], log: Callable[[str], None] = lambda s: None,
+                 on_step_done: Callable[[], None] | None = None) -> None:
         self.loop, self.T = loop, float(dilation)
+        #: called once a step's jobs are all released (``released_at`` still set): what the
+        #: step released together leaves together (``engine.dispatch: step``)
+        self.on_step_done = on_step_done
         self.sched, self.kernel, self.on_done = scheduler, kernel, on_done
         self.now, self.wall, self.log = now, wall, log
         self.free_at = 0.0  # model time the stream is free
@@ -138,6 +142,8 @@ class ModeledStream:
         try:
             for j in jobs:
                 self.on_done(j)
+            if self.on_step_done is not None:
+                self.on_step_done()
         finally:
             self.released_at = None
         if not self._soon:  # after the frames already in the loop's queue are delivered

@@ -43,7 +43,7 @@ import torch
 from hetroute.state import Mode
 
 MAGIC = b"HRTW"
-VERSION = 2
+VERSION = 3  # 3: HIDDEN and PARTIAL carry their dispatch group
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
@@ -133,6 +133,11 @@ class Hidden:
     router_ctx: tuple[int, ...]  # the router's own context (TokenView.ctx) after deciding
     dtype: DType = DType.NONE
     shape: tuple[int, ...] = ()
+    #: ``engine.dispatch: step``: frames a sender released together to this destination
+    #: (one message in the simulator) share ``group``; the receiver takes them when all
+    #: ``group_n`` are in, at the last one's arrival. 1: on its own
+    group: int = 0
+    group_n: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,11 @@ class Partial:
     ran: tuple[Ran, ...]  # the assignment positions summed here
     dtype: DType = DType.NONE
     shape: tuple[int, ...] = ()
+    #: ``engine.dispatch: step``: frames a sender released together to this destination
+    #: (one message in the simulator) share ``group``; the receiver takes them when all
+    #: ``group_n`` are in, at the last one's arrival. 1: on its own
+    group: int = 0
+    group_n: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,8 +372,10 @@ _REQ = (("request", "Q"), ("token", "I"), ("layer", "H"), ("seq", "Q"))
 _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
     Hidden: (("src", "H"), *_REQ, ("retries", "B"), ("home", "H"), ("aggregator", "H"),
              ("n_participants", "H"), ("lam_acc", "d"), ("t_layer", "d"), ("t_dispatch", "d"),
-             ("view_age_us", "q"), ("backlog_err_us", "q"), ("decision_us", "q"), ("dtype", "B")),
-    Partial: (("src", "H"), *_REQ, ("t_arrived", "d"), ("t_computed", "d"), ("dtype", "B")),
+             ("view_age_us", "q"), ("backlog_err_us", "q"), ("decision_us", "q"), ("dtype", "B"),
+             ("group", "I"), ("group_n", "H")),
+    Partial: (("src", "H"), *_REQ, ("t_arrived", "d"), ("t_computed", "d"), ("dtype", "B"),
+              ("group", "I"), ("group_n", "H")),
     Token: (("src", "H"), *_REQ, ("home", "H"), ("lam_acc", "d"), ("final", "B"), ("dtype", "B")),
     State: (("src", "H"), ("window", "Q"), ("opened_at", "d"), ("t_send", "d"), ("backlog_s", "d")),
     Fail: (("src", "H"), ("home", "H"), ("request", "Q"), ("token", "I")),

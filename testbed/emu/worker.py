@@ -113,6 +113,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         #: decide/admit/record/feedback, shared with the simulator
         self.core = TokenLayerCore(s.router, self.dep, s.cluster, sh, spec.physics, s.quality)
         self.hardware = spec.physics == "hardware"
+        #: ``engine.dispatch: step``: a step's tokens and partials leave together (routing.py)
+        self.step_dispatch = self.hardware and spec.engine.dispatch == "step"
         self.dense_s = self.core.world.dense_s(self.rank, 1)  # physics: paper (a delay)
         self.hidden_bytes = sh.hidden_bytes
         self.view = StateView(self.N)
@@ -145,7 +147,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                               max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
                               on_execute=self.residency.on_execute)
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
-                                    self.wall, self._log)
+                                    self.wall, self._log,
+                                    self._flush_step if self.step_dispatch else None)
         if self.cfg.rendezvous is not None:  # peers from the store, not from the config
             host, port = self.cfg.rendezvous
             peers, self._store, secret = await loop.run_in_executor(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+import random
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -173,6 +174,11 @@ class SimBackend:
         self.cpu_free = [0.0] * N  # per-server CPU that makes decisions
         self.measured_decisions = eng.decision_s == "measured"
         self.decision_s = float(getattr(setup, "decision_s", 0.0))
+        #: ``engine.dispatch: step``: a step's tokens leave together, one message per destination
+        self.step_dispatch = self.hardware and eng.dispatch == "step"
+        jit = spec.sim.hop_jitter_s
+        self.jitter = random.Random(spec.seed).expovariate if jit > 0 else None
+        self.jitter_rate = 1.0 / jit if jit > 0 else 0.0
         # state views and deciders
         self.window = spec.window_s
         self.views = [StateView(N) for _ in range(N)]
@@ -203,13 +209,16 @@ class SimBackend:
         lu = self.link_up
         return m == n or lu is None or lu[m][n]
 
-    def send(self, m: int, n: int, t: float) -> float:
-        """Arrival time at n of a hidden state sent from m at t (FIFO link)."""
+    def send(self, m: int, n: int, t: float, count: int = 1) -> float:
+        """Arrival time at n of ``count`` hidden states sent from m at t as one message
+        (FIFO link), plus ``sim.hop_jitter_s``'s draw where it is set."""
         free = self.link_free[m]
         start = free[n] if free[n] > t else t
-        end = start + self.tx[m][n]
+        end = start + self.tx[m][n] * count
         free[n] = end
-        return end + self.delay[m][n]
+        if self.jitter is None:
+            return end + self.delay[m][n]
+        return end + self.delay[m][n] + self.jitter(self.jitter_rate)
 
     def true_backlog(self, n: int) -> float:
         return self.sched[n].backlog(self.now)
@@ -335,6 +344,48 @@ class SimBackend:
         self._kick(theta)
 
     def _decide(self, tok: _Token) -> None:
+        end = self._route(tok)
+        if end is None:
+            return
+        if end > self.now:
+            heapq.heappush(self.heap, (end, self.next_seq(), self._dispatch, (tok, tok.attempt)))
+        else:
+            self._dispatch((tok, tok.attempt))
+
+    def _decide_step(self, toks: list[_Token]) -> None:
+        """``engine.dispatch: step``: decide a dense step's tokens one after another on the
+        server's CPU, then send them all when the last decision is done."""
+        last = self.now
+        items = []
+        for tok in toks:
+            end = self._route(tok)
+            if end is not None:
+                items.append((tok, tok.attempt))
+                if end > last:
+                    last = end
+        if items:
+            heapq.heappush(self.heap, (last, self.next_seq(), self._dispatch_step, items))
+
+    def _dispatch_step(self, items: list) -> None:
+        out: dict[int, list] = {}
+        theta = -1
+        for arg in items:
+            tok, att = arg
+            if att == tok.attempt and not tok.req.failed:
+                theta = tok.view.server
+                self._dispatch(arg, out)
+        t = self.now
+        for n, sent in out.items():
+            arr = self.send(theta, n, t, len(sent))
+            jobs = []
+            for tok, tjobs in sent:
+                if arr > tok.fan_out_end:
+                    tok.fan_out_end = arr
+                jobs.extend(tjobs)
+            heapq.heappush(self.heap, (arr, self.next_seq(), self._jobs_arrive, (n, jobs)))
+
+    def _route(self, tok: _Token) -> float | None:
+        """Decide the token's layer; returns when its decision is done (None: failed)."""
         tv = tok.view
         theta = tv.server
         t = self.now
@@ -343,7 +394,7 @@ class SimBackend:
         tok.attempt += 1
         if not self.alive[theta]:
             self._fail(tok, f"server {self.s.cluster.names[theta]} died holding the token")
-            return
+            return None
         view = self.views[theta]
         if view.window != self.snap_window:
             self._refresh(view)
@@ -352,7 +403,7 @@ class SimBackend:
                                       tok.targets[tv.layer], self.true_backlog)
         except Unroutable as err:
             self._fail(tok, str(err))
-            return
+            return None
         tok.routed = routed
         tok.decider = theta
         st = self.stats
@@ -363,11 +414,12 @@ class SimBackend:
             start = self.cpu_free[theta] if self.cpu_free[theta] > t else t
             self.cpu_free[theta] = end = start + cost
             st.decision_charged_s += end - t
-            heapq.heappush(self.heap, (end, self.next_seq(), self._dispatch, (tok, tok.attempt)))
-        else:
-            self._dispatch((tok, tok.attempt))
+            return end
+        return t
 
-    def _dispatch(self, arg) -> None:
+    def _dispatch(self, arg, out: dict | None = None) -> None:
+        """Send the token's hidden state to its layer's participants; with ``out`` (step
+        dispatch) the remote sends are collected there, per destination, for one message."""
         tok, att = arg
         if att != tok.attempt or tok.req.failed:
             return
@@ -399,6 +451,9 @@ class SimBackend:
                     for j in positions]
             if n == theta:
                 self._enqueue(n, jobs)
+            elif out is not None:
+                out.setdefault(n, []).append((tok, jobs))
+                nbytes += self.msg_bytes
             else:
                 arr = self.send(theta, n, t)
                 nbytes += self.msg_bytes
@@ -475,6 +530,9 @@ class SimBackend:
             for job in jobs:
                 self._lost(job.owner[0], job.owner[1], n, f"server {self.s.cluster.names[n]} died")
             return
+        step = self.step_dispatch
+        cohort: list[_Token] = []
+        fan_in: dict[int, list] = {}
         for job in jobs:
             owner = job.owner
             tok = owner[0]
@@ -482,7 +540,10 @@ class SimBackend:
             if att != tok.attempt or tok.req.failed:
                 continue  # a re-routed or failed token's stale work
             if job.replica == DENSE:
-                self._decide(tok)
+                if step:
+                    cohort.append(tok)
+                else:
+                    self._decide(tok)
                 continue
             tok.gpus[owner[2]] = job.gpu
             if t > tok.compute_end:
@@ -497,19 +558,34 @@ class SimBackend:
                 elif not self.intact and not self.reachable(n, agg):
                     self._lost(tok, att, agg, f"partial output cannot reach {self.s.cluster.names[agg]}")
                     continue
+                elif step:
+                    fan_in.setdefault(agg, []).append((tok, att))
+                    continue
                 else:
                     arr = self.send(n, agg, t)
                     tok.bytes += self.msg_bytes
-                if arr > tok.fan_in_end:
-                    tok.fan_in_end = arr
-                tok.pending -= 1
-                if tok.pending == 0:
-                    if tok.fan_in_end <= t:
-                        self._layer_done(tok)
-                    else:
-                        heapq.heappush(self.heap, (tok.fan_in_end, self.next_seq(), self._layer_done_at,
-                                                   (tok, tok.attempt)))
+                self._partial_in(tok, arr, t)
+        for agg, toks in fan_in.items():  # step dispatch: one message per aggregator
+            arr = self.send(n, agg, t, len(toks))
+            for tok, att in toks:
+                tok.bytes += self.msg_bytes
+                if att == tok.attempt and not tok.req.failed:
+                    self._partial_in(tok, arr, t)
+        if cohort:
+            self._decide_step(cohort)
         self._kick(n)
+
+    def _partial_in(self, tok: _Token, arr: float, t: float) -> None:
+        """A participant's partial reaches the aggregator at ``arr``."""
+        if arr > tok.fan_in_end:
+            tok.fan_in_end = arr
+        tok.pending -= 1
+        if tok.pending == 0:
+            if tok.fan_in_end <= t:
+                self._layer_done(tok)
+            else:
+                heapq.heappush(self.heap, (tok.fan_in_end, self.next_seq(), self._layer_done_at,
+                                           (tok, tok.attempt)))
 
     def _layer_done_at(self, arg) -> None:
         tok, attempt = arg

@@ -39,6 +39,11 @@ class Compute:
     def _init_compute(self) -> None:
         self.parts: dict[tuple, Participation] = {}
         self._copy_free = 0.0  # wall time this server's copy engine is free of prefetches
+        #: ``engine.dispatch: step``: what the step being released hands on, sent together
+        #: by ``_flush_step`` (dense parts to decide; partials per aggregator)
+        self._cohort: list[tuple] = []
+        self._out_partials: dict[int, list[tuple[Participation, float]]] = {}
+        self._groups = 0  # this server's dispatch groups so far (the wire's ``group``)
 
     def _on_hidden(self, frame: Frame, arrival: float) -> None:
         h = frame.msg
@@ -75,7 +80,10 @@ class Compute:
             t_end = self.now()
         if job.replica == DENSE:  # the dense part ran: route the layer
             tok, h, t_layer = work.owner
-            self._decide(tok, h, t_layer, 0, t_end)
+            if self.step_dispatch:
+                self._cohort.append((tok, h, t_layer, t_end))
+            else:
+                self._decide(tok, h, t_layer, 0, t_end)
             return
         p = work.owner
         p.gpus[work.position] = job.gpu
@@ -84,11 +92,29 @@ class Compute:
         if p.jobs_left:
             return
         self.parts.pop(p.key, None)
+        if self.step_dispatch:
+            self._out_partials.setdefault(p.msg.aggregator, []).append((p, t_end))
+        else:
+            self._send_partial(p, t_end)
+
+    def _flush_step(self) -> None:
+        """A step's jobs are all released: its partials go to each aggregator as one group,
+        and its dense parts are decided and dispatched together (routing.py)."""
+        outs, self._out_partials = self._out_partials, {}
+        for parts in outs.values():
+            self._groups += 1
+            for p, t_end in parts:
+                self._send_partial(p, t_end, self._groups, len(parts))
+        if self._cohort:
+            cohort, self._cohort = self._cohort, []
+            self._decide_step(cohort)
+
+    def _send_partial(self, p: Participation, t_end: float, group: int = 0, group_n: int = 1) -> None:
         h = p.msg
         out = Partial(src=self.rank, request=h.request, token=h.token, layer=h.layer, seq=h.seq,
                       t_arrived=p.arrival, t_computed=t_end,
                       ran=tuple(Ran(j, bool(g)) for j, g in sorted(p.gpus.items())),
-                      dtype=DType.FLOAT32, shape=(self.d,))
+                      dtype=DType.FLOAT32, shape=(self.d,), group=group, group_n=group_n)
         agg = h.aggregator
         why = f"partial output cannot reach server {agg}"
         self.hop_partial.append(time.monotonic() - self.wall(t_end))

@@ -33,6 +33,8 @@ class Peers:
         self.max_gap = [0.0] * n  # longest silence heard from each peer (wall s)
         #: per peer: (frame number, resolver) of sent frames it has not acknowledged yet
         self.unacked: dict[int, deque] = {p: deque() for p in range(n) if p != self.rank}
+        #: (sender, group) -> frames of a dispatch group received so far, with their arrivals
+        self.grouped: dict[tuple[int, int], list[tuple[Frame, float]]] = {}
 
     def _tick(self, window: int) -> None:
         if self.stopping:
@@ -79,6 +81,25 @@ class Peers:
         while q and q[0][0] <= n:
             q.popleft()
 
+    def _on_grouped(self, frame: Frame, arrival: float) -> None:
+        """A frame of a step's dispatch group (``engine.dispatch: step``): the group is taken
+        when its last frame is in, every frame at that arrival, as the simulator's one
+        message. A group a lost peer never completes stays here; its sender routes those
+        layers again, and the late attempts make these stale."""
+        m = frame.msg
+        key = (m.src, m.group)
+        got = self.grouped.setdefault(key, [])
+        got.append((frame, arrival))
+        if len(got) < m.group_n:
+            return
+        del self.grouped[key]
+        last = max(a for _, a in got)
+        for f, _ in got:
+            if isinstance(f.msg, Hidden):
+                self._on_hidden(f, last)
+            else:
+                self._on_partial(f, last)
+
     def _hidden_frame(self, msg: Hidden | Partial | Token, t: torch.Tensor) -> Frame:
         """Callers build ``msg`` with dtype FLOAT32 and shape (d,) so no copy of it is made;
         the body is padded to the real model's hidden-state size."""
@@ -94,7 +115,9 @@ class Peers:
                 self.max_gap[m.src] = gap
             self.last_heard[m.src] = arrival
         try:
-            if isinstance(m, Hidden):
+            if isinstance(m, (Hidden, Partial)) and m.group_n > 1:
+                self._on_grouped(frame, arrival)
+            elif isinstance(m, Hidden):
                 self._on_hidden(frame, arrival)
             elif isinstance(m, Partial):
                 self._on_partial(frame, arrival)

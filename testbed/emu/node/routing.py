@@ -10,6 +10,7 @@ as in the simulator; the third loss fails the token.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -81,6 +82,57 @@ class Routing:
         not given (a re-route)."""
         if self.stopping:
             return
+        got = self._route(tok, h, t_dec)
+        if got is None:
+            return
+        tv, routed, t_dec, t_disp = got
+        if self.wall(t_disp) > time.monotonic():
+            self.loop.call_at(self.wall(t_disp), self._dispatch, tok, h, t_layer, retries,
+                              tv, routed, t_dec, t_disp)
+        else:
+            self._dispatch(tok, h, t_layer, retries, tv, routed, t_dec, t_disp)
+
+    def _decide_step(self, cohort: list[tuple]) -> None:
+        """``engine.dispatch: step``: the tokens whose dense part ended in one step are decided
+        one after another on this server's CPU, then leave together when the last decision is
+        done, each destination's frames as one group (the simulator's one message)."""
+        routed_all = []
+        last = 0.0
+        for tok, h, t_layer, t_end in cohort:
+            got = self._route(tok, h, t_end)
+            if got is not None:
+                routed_all.append((tok, h, t_layer, got))
+                last = max(last, got[3])
+        if not routed_all:
+            return
+        if self.wall(last) > time.monotonic():
+            self.loop.call_at(self.wall(last), self._dispatch_step, routed_all, last)
+        else:
+            self._dispatch_step(routed_all, last)
+
+    def _dispatch_step(self, routed_all: list[tuple], t_disp: float) -> None:
+        """A token with a destination already lost goes on its own (its dispatch fails and
+        routes again), so that every group it would have joined still completes."""
+        counts: dict[int, int] = {}
+        alone = []
+        for item in routed_all:
+            routed = item[3][1]
+            dests = set(routed.per_server) | {int(routed.assignment.next_server)}
+            if all(n == self.rank or self.reachable[n] for n in dests):
+                for n in dests:
+                    counts[n] = counts.get(n, 0) + 1
+            else:
+                alone.append(item)
+        self._groups += 1
+        group = (self._groups, counts)
+        for item in routed_all:
+            tok, h, t_layer, (tv, routed, t_dec, _) = item
+            self._dispatch(tok, h, t_layer, 0, tv, routed, t_dec, t_disp,
+                           None if any(item is x for x in alone) else group)
+
+    def _route(self, tok: Token, h: torch.Tensor, t_dec: float | None):
+        """Decide the token's layer and charge the decision to this server's CPU: (view,
+        routed, decision start, dispatch time), or None where it failed."""
         t_dec = self.now() if t_dec is None else t_dec
         rid, index, layer = tok.request, tok.token, tok.layer
         n_tok = self._n_tokens(rid, tok)
@@ -93,7 +145,7 @@ class Routing:
                                       self._true_backlog)
         except Unroutable as err:
             self._token_failed(tok, str(err))
-            return
+            return None
         # the decision's charge (``engine.decision_s``, as the simulator charges it: the
         # calibrated constant, a fixed number, or with ``measured`` its own CPU time) is
         # emulated time, not divided by T: the dispatch waits for it, behind earlier
@@ -102,17 +154,15 @@ class Routing:
         cost = routed.decision_s if self.measured_decisions else self.setup.decision_s
         start = self.cpu_free if self.cpu_free > t_dec else t_dec
         self.cpu_free = t_disp = start + cost
-        if self.wall(t_disp) > time.monotonic():
-            self.loop.call_at(self.wall(t_disp), self._dispatch, tok, h, t_layer, retries,
-                              tv, routed, t_dec, t_disp)
-        else:
-            self._dispatch(tok, h, t_layer, retries, tv, routed, t_dec, t_disp)
+        return tv, routed, t_dec, t_disp
 
     def _true_backlog(self, n: int) -> float:
         return self.stream.backlog() if n == self.rank else self.peer_backlog[n]
 
     def _dispatch(self, tok: Token, h: torch.Tensor, t_layer: float, retries: int,
-                  tv: TokenView, routed: Routed, t_dec: float, t_disp: float) -> None:
+                  tv: TokenView, routed: Routed, t_dec: float, t_disp: float,
+                  group: tuple[int, dict[int, int]] | None = None) -> None:
+        """``group``: (id, frames per destination) of a step's dispatch (``_dispatch_step``)."""
         if self.stopping:
             return
         a = routed.assignment
@@ -139,6 +189,8 @@ class Routing:
         # (a whole-layer pipeline such as EdgeShard aggregates away from its experts)
         self.hop_dispatch.append(time.monotonic() - self.wall(t_disp))
         for n in sorted(set(participants) | {int(a.next_server)}):
+            if group is not None:
+                frame = self._hidden_frame(replace(out, group=group[0], group_n=group[1][n]), h)
             if not self._send(n, frame, lost, at=t_disp):
                 self.relayered.add(key)  # retried below; what was sent of it is stale
                 self.view.alive[n] = False
