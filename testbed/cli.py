@@ -209,11 +209,13 @@ def fidelity(topology: str = typer.Argument(..., help="topology YAML (or a shipp
 def agree(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
           router: list[str] = typer.Option(["hetroute", "edgeshard"], help="routers to compare"),
           set_: list[str] = typer.Option([], "--set", help="override, e.g. topology=small3"),
-          out: Path = typer.Option(Path("results/agreement"), help="results folder")) -> None:
+          out: Path = typer.Option(Path("results/agreement"), help="results folder"),
+          seeds: int = typer.Option(1, min=1, max=100, help="seeds per side, their requests "
+                                    "pooled (the spec's seed and the next ones)")) -> None:
     """Emulator vs simulator on one spec, and the emulator at T vs 2T; non-zero exit when out of tolerance."""
     from .agreement import agreement, format_rows
     try:
-        rows = agreement(_load(spec, set_), router, out)
+        rows = agreement(_load(spec, set_), router, out, seeds)
     except SpecError as err:
         _fail(str(err))
         return

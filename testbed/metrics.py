@@ -35,12 +35,17 @@ HEADLINE = (
 )
 
 
+def measured(rq: pd.DataFrame, warmup_s: float, duration_s: float) -> pd.DataFrame:
+    """The requests a run measures: those arriving in [warmup, duration)."""
+    return rq[(rq.arrival_s >= warmup_s) & (rq.arrival_s < duration_s)]
+
+
 def compute_metrics(tl: pd.DataFrame, rq: pd.DataFrame, warmup_s: float, duration_s: float,
                     sla_s: float, budget: float) -> dict:
     out: dict = {}
     if rq.empty:
         return {"requests": 0}
-    win = rq[(rq.arrival_s >= warmup_s) & (rq.arrival_s < duration_s)]
+    win = measured(rq, warmup_s, duration_s)
     ok = win[win.status == "ok"]
     lat = ok.latency_s.to_numpy()
     out["requests"] = int(len(win))

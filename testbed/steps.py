@@ -188,8 +188,23 @@ class StepScheduler:
         return min(self._head, key=self._head.__getitem__)
 
     def earliest(self) -> float:
-        """Arrival of the oldest-arrived job of the group the next step serves."""
-        return min(j.arrival for j in self.queue[self._next_key()])
+        """Arrival of the first-arrived queued job: the earliest a step can start (the
+        emulator's jobs carry model-time arrivals that may lie ahead of its loop)."""
+        return min(j.arrival for group in self.queue.values() for j in group)
+
+    def _next_arrived_key(self, by: float) -> int:
+        """The group ``_next_key`` would pick among the jobs that had arrived by ``by``: a
+        step does not wait for an older request's job that is still on its way (the
+        simulator never sees such a job before it arrives; the emulator may, when its loop
+        runs late)."""
+        if self.scope == "replica":
+            return self._next_key()
+        best, key = None, None
+        for k, group in self.queue.items():
+            for j in group:
+                if j.arrival <= by and (best is None or (j.prio, j.seq) < best):
+                    best, key = (j.prio, j.seq), k
+        return self._next_key() if key is None else key
 
     def ready_at(self, now: float) -> float:
         """Earliest time the next step may start (``hold_s`` after its oldest job)."""
@@ -204,11 +219,11 @@ class StepScheduler:
     def take(self, now: float, arrived_by: float | None = None) -> Step:
         """Start the next step at ``now``; jobs that arrived after ``arrived_by``
         (default ``now``) wait for a later one (the emulator's timers fire late)."""
-        key = self._next_key()
+        limit = (now if arrived_by is None else arrived_by) + 1e-9
+        key = self._next_key() if arrived_by is None else self._next_arrived_key(limit)
         group = self.queue[key]
         if self.scope == "layer":
             group.sort(key=_BY_PRIO)
-        limit = (now if arrived_by is None else arrived_by) + 1e-9
         if len(group) <= self.max_tokens and max(map(_ARRIVAL, group)) <= limit:
             return self._take_all(key, group, now)  # the common case: all of it
         taken, rest, tokens = [], [], set()

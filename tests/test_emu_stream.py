@@ -302,3 +302,71 @@ def test_a_decision_is_charged_as_the_simulator_charges_it(charge, expected):
     node.loop.close()
     assert node.cpu_free == pytest.approx(expected)
     assert node.decision_cpu == [0.25]  # the measured time is still reported
+
+
+def test_a_dispatch_group_is_taken_when_complete_each_frame_at_its_last_arrival():
+    # engine.dispatch: step -- what a sender released together to one destination (one
+    # message in the simulator) is handed on together, at the last frame's arrival
+    from testbed.emu.node.peers import Peers
+    from testbed.emu.wire import Hidden, Partial, Pick, Ran, decode, encode, tensor_frame
+
+    got = []
+
+    class Node(Peers):
+        N, rank, T, t0, stopping = 3, 0, T, time.monotonic(), False
+
+        def _on_hidden(self, frame, arrival):
+            got.append(("hidden", frame.msg.src, frame.msg.token, arrival))
+
+        def _on_partial(self, frame, arrival):
+            got.append(("partial", frame.msg.src, frame.msg.token, arrival))
+
+    def hidden(src, token, group, n):
+        m = Hidden(src, 9, token, 4, 1, 0, 1, 0, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), (),
+                   group=group, group_n=n)
+        return decode(encode(tensor_frame(m, torch.zeros(4))))
+
+    node = Node()
+    node._init_peers()
+    node._on_frame(hidden(1, 0, 7, 3), 1.0)
+    node._on_frame(hidden(2, 0, 7, 2), 1.05)  # another sender's group 7: not the same group
+    node._on_frame(hidden(1, 1, 7, 3), 1.2)
+    single = Partial(1, 9, 5, 4, 1, 0.0, 0.0, (Ran(0, True),), group=8, group_n=1)
+    node._on_frame(decode(encode(tensor_frame(single, torch.zeros(4)))), 1.25)  # on its own
+    assert got == [("partial", 1, 5, 1.25)]
+    node._on_frame(hidden(1, 2, 7, 3), 1.1)  # the last one in, though sent earlier
+    assert got[1:] == [("hidden", 1, t, 1.2) for t in (0, 1, 2)]
+    node._on_frame(hidden(2, 1, 7, 2), 1.3)
+    assert got[4:] == [("hidden", 2, 0, 1.3), ("hidden", 2, 1, 1.3)]
+    assert node.grouped == {}
+
+
+def test_a_step_hands_on_what_it_released_after_its_last_job():
+    loop = precise_loop()
+    log = []
+    s, _ = _stream(loop, lambda j: log.append(("job", j.token)), scope="layer")
+    s.on_step_done = lambda: log.append(("step", s.released_at is not None))
+    t = s.now()
+    for i in range(3):
+        s.submit(_job(0, t, i))
+    loop.run_until_complete(asyncio.sleep(0.05))
+    loop.close()
+    assert log == [("job", 0), ("job", 1), ("job", 2), ("step", True)]
+
+
+def test_a_step_does_not_wait_for_an_older_requests_job_still_on_its_way():
+    # the simulator's stream, free at t, takes what is queued at t; a job of an older
+    # request that arrives later (model time) waits for the next step. The emulator may hold
+    # that job already (its loop ran late and the sender's frame was queued early): it must
+    # not idle the stream for it
+    loop = precise_loop()
+    done = []
+    s, _ = _stream(loop, lambda j: done.append((j.token, s.released_at)), scope="layer")
+    t = s.now()
+    s.submit(Job(0, 0, "older", 0, 0, t + 2 * COMP, Work(torch.zeros(4)), prio=0.0))
+    s.submit(Job(1, 0, "newer", 1, 0, t, Work(torch.zeros(4)), prio=1.0))
+    loop.run_until_complete(asyncio.sleep(0.2))
+    loop.close()
+    assert [tok for tok, _ in done] == ["newer", "older"]
+    assert done[0][1] == pytest.approx(t + COMP, abs=1e-9)
+    assert done[1][1] == pytest.approx(t + 3 * COMP, abs=1e-9)

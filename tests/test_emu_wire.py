@@ -47,7 +47,8 @@ def hidden_msgs(draw: st.DrawFn) -> Hidden:
     picks = draw(st.lists(st.builds(Pick, _u32, _u32, st.integers(0, 2)), min_size=1, max_size=12))
     return Hidden(draw(_u16), draw(_u64), draw(_u32), draw(_u16), draw(_u64), draw(_u8), draw(_u16),
                   draw(_u16), draw(st.integers(1, len(picks))), draw(_lam), draw(_fin), draw(_fin),
-                  draw(_i64), draw(_i64), draw(_i64), tuple(picks), draw(_ctx))
+                  draw(_i64), draw(_i64), draw(_i64), tuple(picks), draw(_ctx),
+                  group=draw(_u32), group_n=draw(_u16))
 
 
 @st.composite
@@ -55,7 +56,7 @@ def partial_msgs(draw: st.DrawFn) -> Partial:
     pos = sorted(draw(st.sets(_u16, min_size=1, max_size=12)))
     ran = tuple(Ran(p, draw(st.booleans())) for p in pos)
     return Partial(draw(_u16), draw(_u64), draw(_u32), draw(_u16), draw(_u64), draw(_fin),
-                   draw(_fin), ran)
+                   draw(_fin), ran, group=draw(_u32), group_n=draw(_u16))
 
 
 token_msgs = st.builds(Token, _u16, _u64, _u32, _u16, _u64, _u16, _lam, st.booleans(), _ctx)

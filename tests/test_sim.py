@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -164,12 +165,58 @@ def _hw_setup(requests, targets, dep, route, agg):
     return FakeSetup(cl, sh, dep, Fixed(route, agg=agg), requests, targets, spec=spec), sh, cl
 
 
-def test_hardware_world_runs_a_request_in_steps_that_read_each_expert_once():
-    """Three prompt tokens of one request on expert 0 at server b: one dense step at home a
-    for all three, then one step at b whose expert reads its weights once for three tokens."""
+def test_step_dispatch_sends_a_steps_tokens_as_one_message_that_runs_as_one_step():
+    """Three prompt tokens of one request on expert 0 at server b (``engine.dispatch: step``,
+    the default): one dense step at home a, the three decided and sent together as one
+    message (three hidden states' bytes, one arrival), one step at b reading the weights once."""
     from hetroute.service import HardwareService
     dep = Deployment((Replica(0, 1, Precision.FP16, True), Replica(1, 1, Precision.FP16, True)), 2, 2)
     setup, sh, cl = _hw_setup([Req(0, 0.0, prompt_tokens=3)], {0: [((0,),)] * 3}, dep, {0: 0}, agg=1)
+    assert setup.spec.engine.dispatch == "step"
+    st, tl, rq = _run(setup)
+    hw = HardwareService(cl, sh)
+    assert st.batches == 2
+    assert tl.compute_s.tolist() == pytest.approx([hw.expert_s(1, Precision.FP16, 3)] * 3)
+    assert tl.fanout_s.tolist() == pytest.approx([3 * 2000 / 1e9 + 1e-3] * 3)  # one arrival
+    assert len(set(rq.done_s)) == 1
+    # the same bytes as three messages would carry: the rule changes when, not what, is sent
+    tok = dataclasses.replace(setup, spec=setup.spec.with_overrides({"engine.dispatch": "token"}))
+    assert _run(tok)[1]["bytes"].tolist() == tl["bytes"].tolist()
+
+
+def test_step_dispatch_moves_a_pipelines_prompt_as_one_micro_batch():
+    """EdgeShard on paper10 at low load: under the step rule every token of a request starts
+    every layer at the same instant and each layer is two steps (dense, experts) per request;
+    under the per-token rule the first token runs ahead and the stages split the prompt."""
+    from testbed.records import RecordWriter as W
+    from testbed.setup import build_setup
+
+    out = {}
+    for rule in ("step", "token"):
+        spec = parse_spec({"topology": "paper10", "router": {"name": "edgeshard"},
+                           "engine": {"decision_s": 5e-6, "dispatch": rule},
+                           "workload": {"rate_per_s": 2, "duration_s": 2, "warmup_s": 0,
+                                        "calibration_tokens": 64}})
+        setup = build_setup(spec)
+        w = W(None, setup.shape.top_k)
+        st = SimBackend(setup, w).run()
+        w.close()
+        tl, rq = w.frames()
+        spread = tl.groupby(["request", "layer"]).t_start.agg(lambda x: x.max() - x.min()).max()
+        out[rule] = (st.batches, spread, len(rq), setup.shape.n_layers)
+    steps, spread, n_req, L = out["step"]
+    assert n_req >= 2 and spread == 0.0 and steps == n_req * L * 2
+    assert out["token"][1] > 1e-3 and out["token"][0] > steps
+
+
+def test_token_dispatch_runs_a_request_in_steps_that_read_each_expert_once():
+    """The per-token rule (``engine.dispatch: token``): three prompt tokens of one request on
+    expert 0 at server b, one dense step at home a for all three, then steps at b whose
+    expert reads its weights once for the tokens that arrived by their start."""
+    from hetroute.service import HardwareService
+    dep = Deployment((Replica(0, 1, Precision.FP16, True), Replica(1, 1, Precision.FP16, True)), 2, 2)
+    setup, sh, cl = _hw_setup([Req(0, 0.0, prompt_tokens=3)], {0: [((0,),)] * 3}, dep, {0: 0}, agg=1)
+    setup.spec = setup.spec.with_overrides({"engine.dispatch": "token"})
     st, tl, rq = _run(setup)
     hw = HardwareService(cl, sh)
     fp16 = Precision.FP16
