@@ -111,7 +111,8 @@ class QualitySpec(_Model):
     profile: str = Field("prior", description="'prior', a profile file (.npz), 'measured' (the "
                          "proxy profile of `make quality-profile`) or 'auto' (measured where it exists)")
     replay: bool | Literal["auto"] = Field("auto", description="replay the run on the proxy for "
-                                           "measured quality (quality.json); auto: on a proxy trace")
+                                           "measured quality (quality.json); auto: on a proxy "
+                                           "trace, where a request fits one trace segment (36 tokens)")
     inrun: bool = Field(False, description="emulator only: workers run the proxy's real hidden "
                         "states and trained experts during the run (quality_inrun.csv); needs a "
                         "proxy trace and at most 36 tokens per request")
