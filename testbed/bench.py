@@ -42,7 +42,7 @@ FLOOR = 20_000
 
 def _decisions(model: str, tokens: int, seed: int = 11, reference: bool = False) -> dict:
     spec = parse_spec({"name": f"bench-{model}", "workload": {"model": model, "duration_s": 1.0,
-                                                              "warmup_s": 0.1}})
+                                                              "warmup_s": 0.1, "gen_tokens": 0}})
     setup = build_setup(spec)
     from workloads import calibration_traffic
     traffic = calibration_traffic(setup.trace, setup.model, setup.users.home_probs(), tokens,
@@ -78,8 +78,9 @@ def _decisions(model: str, tokens: int, seed: int = 11, reference: bool = False)
 
 
 def _sim(duration_s: float, physics: str) -> dict:
+    # prompt only (pinned): the speeds README and bench.json report are of the figures' runs
     spec = parse_spec({"name": "bench-sim", "physics": physics,
-                       "workload": {"duration_s": duration_s, "warmup_s": 0.2}})
+                       "workload": {"duration_s": duration_s, "warmup_s": 0.2, "gen_tokens": 0}})
     setup = build_setup(spec)
     writer = RecordWriter(None, setup.shape.top_k)
     t0 = time.perf_counter()

@@ -168,7 +168,8 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
 
 @app.command()
 def fidelity(topology: str = typer.Argument(..., help="topology YAML (or a shipped name)"),
-             dilation: str = typer.Option("auto", help="T, or 'auto': what a default run uses"),
+             dilation: str = typer.Option("auto", help="T, or 'auto': what a prompt-only run "
+                                          "at the default load uses"),
              model: str = typer.Option("mixtral", help="model whose experts time the streams"),
              mechanism: str = typer.Option("auto", help="delay: auto, netem or transport"),
              seconds: float = typer.Option(0.8, help="bulk transfer per directed link"),
@@ -187,8 +188,8 @@ def fidelity(topology: str = typer.Argument(..., help="topology YAML (or a shipp
         if dilation == "auto":
             from .emu.dilation import choose_dilation
             from .setup import build_setup
-            s = parse_spec({"topology": topology, "backend": "emu",
-                            "workload": {"model": model, "calibration_tokens": 64}})
+            s = parse_spec({"topology": topology, "backend": "emu",  # the figures' prompt-only run
+                            "workload": {"model": model, "calibration_tokens": 64, "gen_tokens": 0}})
             T = choose_dilation(build_setup(s))[0]
         else:
             T = float(dilation)

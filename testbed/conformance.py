@@ -46,8 +46,10 @@ from .spec import ExperimentSpec, SpecError, parse_spec
 
 TOPOLOGIES = ("small3", "paper10")
 MODELS = ("switch-base-8", "qwen1.5-moe-a2.7b", "mixtral-8x7b")
+#: Short prompt-only requests (gen_tokens 0, pinned): the contract is per token-layer, and
+#: the suite runs it for every router on 2 topologies x 3 models.
 WORKLOAD = {"duration_s": 0.3, "warmup_s": 0.05, "rate_per_s": 20, "prompt_tokens": 4,
-            "calibration_tokens": 64, "users": 20}
+            "gen_tokens": 0, "calibration_tokens": 64, "users": 20}
 DECISION_COLUMNS = ["request", "token", "layer", "t_start", "server", "next_server", "participants",
                     "dq", "est_delay_s", "replica", "exec_server", "exec_expert"]
 CHECKS = ("setup", "placement", "records", "quality", "determinism", "causality")

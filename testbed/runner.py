@@ -127,7 +127,8 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
         tl, rq = writer.frames()
         frames = (tl, rq)
     w = spec.workload
-    metrics = compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s, spec.quality.budget)
+    metrics = compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s, spec.quality.budget,
+                              decodes=w.gen_tokens > 0)
     metrics.update(memory_use(setup.deployment, setup.shape, setup.problem.budget))
     if spec.quality.replay is True and out_dir is not None:
         info["quality_replay_s"] = _replay(out_dir, metrics)

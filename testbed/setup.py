@@ -169,11 +169,25 @@ def resolve_inputs(spec: ExperimentSpec, quality_root: Path = QUALITY_ROOT) -> E
             raise SpecError(f"{key}: no {insist} file {path}; {hint}")
         else:
             over[key] = fallback
-    if spec.quality.replay == "auto":
-        over["quality.replay"] = _is_proxy_trace(Path(over.get("workload.trace", spec.workload.trace)))
+    if spec.quality.replay == "auto":  # a proxy trace's runs, where requests fit its segments
+        over["quality.replay"] = (_is_proxy_trace(Path(over.get("workload.trace", spec.workload.trace)))
+                                  and _replay_segment(spec) is None)
+    elif spec.quality.replay is True and (seg := _replay_segment(spec)) is not None:
+        w = spec.workload
+        raise SpecError(f"quality.replay: at most {seg} tokens per request (a trace segment), got "
+                        f"prompt_tokens + gen_tokens = {w.prompt_tokens + w.gen_tokens}; set "
+                        "workload.gen_tokens: 0 or quality.replay: false")
     if spec.quality.inrun:
         _check_inrun(spec, Path(over.get("workload.trace", spec.workload.trace)), hint)
     return spec.with_overrides(over) if over else spec
+
+
+def _replay_segment(spec: ExperimentSpec) -> int | None:
+    """None where replay can re-execute the spec's requests, else the segment length they
+    exceed: replay scores each request as one proxy-trace segment (decode requests are longer)."""
+    from workloads.proxy.profile import SEGMENT  # lazy: workloads.proxy imports torch (~1 s)
+
+    return None if spec.workload.prompt_tokens + spec.workload.gen_tokens <= SEGMENT else SEGMENT
 
 
 def _is_proxy_trace(trace: Path) -> bool:

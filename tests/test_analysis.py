@@ -78,7 +78,8 @@ def test_bad_figure_spec_is_one_line(tmp_path):
 def test_sweep_skips_done_points_and_reruns_changed_ones(tmp_path):
     fig = FigureSpec.model_validate({
         "figure": 99, "title": "t",
-        "base": {"topology": "small3", "workload": {"model": "switch", "calibration_tokens": 64}},
+        "base": {"topology": "small3",
+                 "workload": {"model": "switch", "calibration_tokens": 64, "gen_tokens": 0}},
         "axes": {"workload.rate_per_s": [5, 10]},
         "scales": {"smoke": {"seeds": [0], "set": {"workload.duration_s": 0.4, "workload.warmup_s": 0.1}}}})
     from testbed.sweep import run_sweep
@@ -196,7 +197,8 @@ def test_figures_with_capacity_list_their_routers_searched_for_their_setting(tmp
 
     fig9 = load_figure(figure_path(9))
     base = parse_spec({"name": "capacity", "topology": "paper10", "sla_s": 0.3,
-                       "workload": {"model": "mixtral-8x7b", "duration_s": 4.0, "warmup_s": 1.0}})
+                       "workload": {"model": "mixtral-8x7b", "duration_s": 4.0, "warmup_s": 1.0,
+                                    "gen_tokens": 0}})  # specs/capacity.yaml's setting
     for router, spec in (("hetroute", base), ("petals", base), ("greedy", base),
                          ("prism", base.with_overrides({"sla_s": 1.0})),
                          ("edgeshard", base.with_overrides({"workload.model": "qwen"}))):

@@ -12,7 +12,8 @@ from testbed.spec import SpecError, parse_spec
 
 # Qwen1.5-MoE through EdgeShard on small3: mean 89 ms (P99 131) at 8 req/s, 176 ms at 128
 SPEC = {"name": "cap", "topology": "small3", "sla_s": 0.2,
-        "workload": {"model": "qwen", "duration_s": 2.0, "warmup_s": 0.2, "calibration_tokens": 64},
+        "workload": {"model": "qwen", "duration_s": 2.0, "warmup_s": 0.2, "calibration_tokens": 64,
+                     "gen_tokens": 0},  # prompt only: the latencies above are one pass
         "engine": {"decision_s": 0.0}}
 
 

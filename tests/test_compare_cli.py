@@ -11,7 +11,8 @@ from testbed.cli import app
 SPEC = """\
 name: cmp
 topology: small3
-workload: {model: switch-base-8, rate_per_s: 4, duration_s: 1.0, warmup_s: 0.2, calibration_tokens: 64}
+workload: {model: switch-base-8, rate_per_s: 4, duration_s: 1.0, warmup_s: 0.2, calibration_tokens: 64,
+           gen_tokens: 0}  # prompt only: the own-regime row is the one that decodes
 """
 
 

@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.emu, pytest.mark.skipif(_why_not() is not None, reason
 
 SPEC = {"topology": "small3", "backend": "emu",
         "workload": {"model": "switch", "duration_s": 0.8, "warmup_s": 0.1, "rate_per_s": 20,
-                     "calibration_tokens": 64},
+                     "calibration_tokens": 64, "gen_tokens": 0},  # prompt only: T and run time
         "emu": {"dilation": "auto"}}
 
 

@@ -29,7 +29,7 @@ FAIL_WINDOWS = 10
 END_WINDOWS = 20
 SPEC = {"topology": "small3",
         "workload": {"model": "switch", "duration_s": 0.8, "warmup_s": 0.1, "rate_per_s": 20,
-                     "calibration_tokens": 64},
+                     "calibration_tokens": 64, "gen_tokens": 0},  # prompt only: T and run time
         "faults": [{"kind": "cut_link", "at_s": CUT_S, "server": "edge", "peer": "hub"}]}
 
 

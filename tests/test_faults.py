@@ -15,7 +15,8 @@ from testbed.setup import build_setup
 from testbed.spec import parse_spec
 
 BASE = {"topology": "small3", "workload": {"model": "switch", "duration_s": 1.2, "warmup_s": 0.1,
-                                           "rate_per_s": 30, "calibration_tokens": 64}}
+                                           "rate_per_s": 30, "calibration_tokens": 64,
+                                           "gen_tokens": 0}}  # prompt only: short requests
 
 
 def _run(faults, router="hetroute"):

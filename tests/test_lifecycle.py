@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FIG = {"figure": 97, "title": "lifecycle",
        "base": {"topology": "small3", "engine": {"decision_s": 0.0},
-                "workload": {"model": "switch", "calibration_tokens": 64}},
+                "workload": {"model": "switch", "calibration_tokens": 64, "gen_tokens": 0}},
        "axes": {"workload.rate_per_s": [5, 10, 15, 20]},
        "scales": {"smoke": {"seeds": [0], "set": {"workload.duration_s": 30.0,
                                                    "workload.warmup_s": 0.1}}}}

@@ -74,7 +74,8 @@ def test_budget_accounting_never_exceeds_lambda_max(router, proxy, tmp_path):
     spec = parse_spec({
         "name": f"budget-{router}", "topology": "small3", "router": {"name": router},
         "workload": {"model": "mixtral", "trace": str(root / "trace.jsonl"), "duration_s": 0.3,
-                     "warmup_s": 0.05, "rate_per_s": 20, "calibration_tokens": 72, "users": 20},
+                     "warmup_s": 0.05, "rate_per_s": 20, "calibration_tokens": 72, "users": 20,
+                     "gen_tokens": 0},  # prompt only: replay scores one 36-token segment
         "quality": {"budget": budget, "profile": str(root / "profile.npz"), "replay": False}})
     run_experiment(spec, tmp_path, progress=False)
     tl, rq = read_records(tmp_path)

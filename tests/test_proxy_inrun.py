@@ -125,7 +125,8 @@ def test_inrun_spec_errors_name_the_field(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("")
     (tmp_path / "t.meta.json").write_text('{"model": "mixtral-8x7b", "proxy_key": "k"}')
-    base = {"backend": "emu", "quality": {"inrun": True}, "workload": {"trace": str(trace)}}
+    base = {"backend": "emu", "quality": {"inrun": True},
+            "workload": {"trace": str(trace), "gen_tokens": 0}}
     resolve_inputs(parse_spec(base))  # a proxy trace and 36 tokens: accepted
     for over, msg in (({"backend": "sim"}, "only emulated workers"),
                       ({"workload": {"trace": "synthetic"}}, "needs workload.trace 'proxy'"),
@@ -142,10 +143,12 @@ def test_inrun_raises_the_dilation_floor():
     from workloads.models import get_model
 
     for inrun, floor in ((False, MIN_DILATION), (True, INRUN_MIN_DILATION)):
-        spec = parse_spec({"backend": "emu", "quality": {"inrun": inrun}, "workload": {"rate_per_s": 1}})
+        spec = parse_spec({"backend": "emu", "quality": {"inrun": inrun},
+                           "workload": {"rate_per_s": 1, "gen_tokens": 0}})
         T, why = choose_dilation(SimpleNamespace(spec=spec, shape=get_model("mixtral").shape()))
         assert T == floor and "floor" in why
-    busy = parse_spec({"backend": "emu", "quality": {"inrun": True}, "workload": {"rate_per_s": 200}})
+    busy = parse_spec({"backend": "emu", "quality": {"inrun": True},
+                       "workload": {"rate_per_s": 200, "gen_tokens": 0}})  # in-run: prompt only
     plain = busy.with_overrides({"quality.inrun": False})
     shape = get_model("mixtral").shape()
     assert choose_dilation(SimpleNamespace(spec=busy, shape=shape))[0] > \

@@ -18,7 +18,8 @@ from testbed.setup import build_setup
 from testbed.spec import load_spec, parse_spec
 
 TINY = {"topology": "small3", "workload": {"model": "switch", "duration_s": 0.6, "warmup_s": 0.1,
-                                           "rate_per_s": 20, "calibration_tokens": 64}}
+                                           "rate_per_s": 20, "calibration_tokens": 64,
+                                           "gen_tokens": 0}}  # prompt only: short runs
 
 
 def test_same_seed_same_records_and_different_seed_differs(tmp_path):
@@ -73,7 +74,7 @@ def _cli(*args, cwd=None):
 def test_cli_run_prints_metrics(tmp_path):
     spec = tmp_path / "s.yaml"
     spec.write_text("name: cli\ntopology: small3\nworkload: {model: switch, duration_s: 0.5, "
-                    "warmup_s: 0.1, rate_per_s: 10, calibration_tokens: 64}\n")
+                    "warmup_s: 0.1, rate_per_s: 10, calibration_tokens: 64, gen_tokens: 0}\n")
     r = _cli("run", str(spec), "--quiet", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     assert "mean ms" in r.stdout and "hetroute" in r.stdout

@@ -45,7 +45,7 @@ STEP = "94cab10c4e931cbb144436501add0770cbee42ec7f135b942448e1a19c792333"
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
         "engine": {"decision_s": 0, "dispatch": "token"},
         "workload": {"rate_per_s": 40, "duration_s": 0.25, "warmup_s": 0.0,
-                     "calibration_tokens": 64}}
+                     "gen_tokens": 0, "calibration_tokens": 64}}  # the digests are prompt-only
 
 
 def digest(*frames: pd.DataFrame) -> str:

@@ -45,13 +45,15 @@ def test_symbolic_quality_inputs_resolve_to_files(tmp_path) -> None:
     from testbed.setup import resolve_inputs
     from testbed.spec import parse_spec
 
-    base = {"workload": {"model": "switch", "trace": "auto"}, "quality": {"profile": "auto"}}
+    base = {"workload": {"model": "switch", "trace": "auto", "gen_tokens": 0},  # replay: prompt only
+            "quality": {"profile": "auto"}}
     s = resolve_inputs(parse_spec(base), tmp_path)
     assert (s.quality.profile, s.workload.trace, s.quality.replay) == ("prior", "synthetic", False)
     with pytest.raises(SpecError, match="quality-profile"):
         resolve_inputs(parse_spec({**base, "quality": {"profile": "measured"}}), tmp_path)
     with pytest.raises(SpecError, match="no proxy file"):
-        resolve_inputs(parse_spec({**base, "workload": {"model": "switch", "trace": "proxy"}}), tmp_path)
+        resolve_inputs(parse_spec({**base, "workload": {"model": "switch", "trace": "proxy",
+                                                        "gen_tokens": 0}}), tmp_path)
     d = tmp_path / "switch-base-8"
     d.mkdir()
     (d / "profile.npz").write_bytes(b"x")
@@ -61,3 +63,9 @@ def test_symbolic_quality_inputs_resolve_to_files(tmp_path) -> None:
     assert s.quality.profile == str(d / "profile.npz") and s.workload.trace == str(d / "trace.jsonl")
     assert s.quality.replay is True
     assert resolve_inputs(s, tmp_path) == s  # idempotent
+    # replay re-executes each request as one 36-token trace segment: a decoding request
+    # (the default shape) is not replayed under 'auto' and is refused up front under true
+    dec = parse_spec({**base, "workload": {"model": "switch", "trace": "auto"}})
+    assert dec.workload.gen_tokens > 0 and resolve_inputs(dec, tmp_path).quality.replay is False
+    with pytest.raises(SpecError, match="quality.replay: at most 36 tokens"):
+        resolve_inputs(dec.with_overrides({"quality.replay": True}), tmp_path)

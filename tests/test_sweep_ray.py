@@ -115,7 +115,7 @@ def test_sigterm_stops_the_ray_tasks_and_the_instance(tmp_path: Path) -> None:
 
 FAILING = {"figure": 96, "title": "one point cannot place",
            "base": {"topology": "small3", "engine": {"decision_s": 0.0},
-                    "workload": {"model": "switch", "calibration_tokens": 64}},
+                    "workload": {"model": "switch", "calibration_tokens": 64, "gen_tokens": 0}},
            "axes": {"memory.cpu_share": [0.9, 0.001]},
            "scales": {"smoke": {"seeds": [0], "set": {"workload.duration_s": 0.3,
                                                       "workload.warmup_s": 0.1}}}}

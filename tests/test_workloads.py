@@ -116,10 +116,11 @@ def test_package_reexports_lazily():
 
 
 # --- requests ----------------------------------------------------------------
-def test_request_shape_default_is_the_papers_prefill_request():
+def test_request_shape_default_is_the_papers_prompt_then_decode():
     shape = RequestShape()
-    assert (shape.prompt_tokens, shape.gen_tokens, shape.n_tokens) == (36, 0, 36)
-    assert 1490 / 40 == pytest.approx(shape.n_tokens, abs=1.5)  # paper: tokens/s over requests/s
+    assert (shape.prompt_tokens, shape.gen_tokens, shape.n_tokens) == (36, 32, 68)
+    assert 1490 / 40 == pytest.approx(shape.prompt_tokens, abs=1.5)  # paper: tokens/s over requests/s
+    assert 229_711 / 203_068 == pytest.approx(36 / 32, abs=0.01)  # ShareGPT, vLLM PR #18566: 1.13:1
     with pytest.raises(ValueError):
         RequestShape(prompt_tokens=0)
     with pytest.raises(ValueError):

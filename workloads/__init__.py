@@ -17,7 +17,8 @@ from typing import Any
 
 _EXPORTS = {
     "models": ("MODELS", "ModelSpec", "get_model"),
-    "requests": ("DEFAULT_TASKS", "DEFAULT_TASK_SPECIFICITY", "Request", "RequestShape", "Users",
+    "requests": ("DEFAULT_GEN_TOKENS", "DEFAULT_PROMPT_TOKENS", "DEFAULT_TASKS",
+                 "DEFAULT_TASK_SPECIFICITY", "Request", "RequestShape", "Users",
                  "calibration_traffic", "generate_requests", "poisson_arrivals"),
     "traces": ("CALIBRATION_ID_BASE", "TARGETS", "JsonlTrace", "Routing", "SyntheticTrace",
                "TraceFormatError", "TraceParams", "TraceSource", "TraceTargets",

@@ -33,6 +33,15 @@ DEFAULT_TASKS = ("prose", "math", "code")
 DEFAULT_TASK_SPECIFICITY = {"prose": 0.25, "math": 0.75, "code": 0.25}
 
 
+#: The default request: 36 prompt tokens, the paper's own number (1490 tokens/s at 40
+#: requests/s, Sec. VI-B, Fig. 2(f), is ~37 tokens per request), then 32 generated tokens,
+#: which keep the input:output token ratio of the public ShareGPT serving benchmark (vLLM
+#: PR #18566: 229,711 input and 203,068 generated tokens over 1000 requests, 1.13:1); the
+#: paper gives no lengths. Its figures are prompt-only: their specs set gen_tokens 0.
+DEFAULT_PROMPT_TOKENS = 36
+DEFAULT_GEN_TOKENS = 32
+
+
 @dataclass(frozen=True)
 class RequestShape:
     """Tokens of one request: a prompt, then ``gen_tokens`` decode tokens.
@@ -42,14 +51,14 @@ class RequestShape:
     released one after another, each when the previous one is done. Latency is
     from arrival to the last token done.
 
-    Default 36 prompt tokens, no decode: the paper reports 1490 tokens/s at 40
-    requests/s (Sec. VI-B, Fig. 2(f)), i.e. ~37 tokens per request, and its
-    ~156 ms mean latency is about one pass through the model, which matches a
-    prefill-only request (time to first token), not a multi-step decode.
+    Default 36 prompt and 32 generated tokens (``DEFAULT_GEN_TOKENS``: real serving
+    decodes). ``gen_tokens=0`` is the paper's request: its ~156 ms mean latency and
+    300 ms SLA at 40 requests/s are about one pass through the model, a prefill-only
+    request (time to first token), not a multi-step decode.
     """
 
-    prompt_tokens: int = 36
-    gen_tokens: int = 0
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    gen_tokens: int = DEFAULT_GEN_TOKENS
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.gen_tokens < 0:
@@ -210,7 +219,8 @@ def generate_requests(rate_per_s: float, shape: RequestShape, users: Users, seed
 
 
 def calibration_traffic(trace: TraceSource, model: ModelSpec, home_probs: np.ndarray,
-                        n_tokens: int, seed: int, tokens_per_request: int = 36,
+                        n_tokens: int, seed: int,
+                        tokens_per_request: int = DEFAULT_PROMPT_TOKENS,
                         task_probs: np.ndarray | None = None) -> CalibrationTraffic:
     """Held-out T_cal: ``n_tokens`` tokens with home servers and GLOBAL expert ids.
 

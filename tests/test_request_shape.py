@@ -1,0 +1,77 @@
+"""The request shape (issue 13 item 3): decode by default, prompt only where the paper is
+reproduced, and a throughput that says what it counts."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from testbed.metrics import format_table
+from testbed.records import read_records
+from testbed.runner import run_experiment
+from testbed.spec import parse_spec
+from testbed.sweep import expand, figure_path, load_figure
+from workloads.requests import DEFAULT_GEN_TOKENS, DEFAULT_PROMPT_TOKENS
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"topology": "small3", "engine": {"decision_s": 0.0},
+         "workload": {"model": "switch", "rate_per_s": 10, "duration_s": 0.6, "warmup_s": 0.1,
+                      "calibration_tokens": 64}}
+
+
+def test_default_spec_decodes_and_its_throughput_counts_generated_tokens(tmp_path):
+    spec = parse_spec(SMALL)  # no gen_tokens: the library default
+    assert (spec.workload.prompt_tokens, spec.workload.gen_tokens) == (36, 32) == \
+        (DEFAULT_PROMPT_TOKENS, DEFAULT_GEN_TOKENS)
+    m = run_experiment(spec, tmp_path, progress=False).metrics
+    _, rq = read_records(tmp_path)
+    ok = rq[rq.status == "ok"]
+    assert len(ok) > 0 and (ok.tokens == 68).all()
+    assert (ok.gen_done_s.map(len) == 32).all() and (ok.first_s < ok.done_s).all()
+    assert m["throughput_counts"] == "generated" and m["throughput_tok_s"] == m["gen_tok_s"] > 0
+    assert m["completed_tok_s"] > 0 and not math.isnan(m["tpot_ms"])
+
+
+def test_prompt_only_run_counts_completed_prompts_as_before(tmp_path):
+    spec = parse_spec({**SMALL, "workload": {**SMALL["workload"], "gen_tokens": 0}})
+    m = run_experiment(spec, tmp_path, progress=False).metrics
+    _, rq = read_records(tmp_path)
+    assert (rq.tokens == 36).all() and (rq.gen_done_s.map(len) == 0).all()
+    assert m["throughput_counts"] == "prompt" and m["throughput_tok_s"] == m["completed_tok_s"] > 0
+    assert math.isnan(m["tpot_ms"])
+
+
+def test_table_header_says_what_throughput_counts():
+    row = {"mean_ms": 1.0, "throughput_tok_s": 100.0}
+    prompt = {**row, "throughput_counts": "prompt"}
+    gen = {**row, "throughput_counts": "generated", "throughput_tok_s": 2.5}
+    assert "prompt tok/s" in format_table({"a": prompt, "b": row})  # old metrics: prompt
+    assert "gen tok/s" in format_table({"a": gen})
+    mixed = format_table({"a": prompt, "b (own regime)": gen}).splitlines()
+    assert "tok/s (*gen)" in mixed[0]
+    assert mixed[1].split()[-1] != "2.5*" and "100.0" in mixed[1] and "2.5*" in mixed[2]
+
+
+@pytest.mark.parametrize("fig", range(2, 11))
+def test_every_figure_states_its_request_shape_and_the_papers_are_prompt_only(fig, tmp_path):
+    """Figs. 2-9 reproduce the paper (one forward pass per request): gen_tokens 0 stated in
+    the figure spec, so their resolved specs, and the cached runs, do not follow the
+    library default. Fig. 10 is the testbed's decode figure."""
+    raw = yaml.safe_load(figure_path(fig).read_text())
+    assert "gen_tokens" in raw["base"]["workload"]
+    want = 32 if fig == 10 else 0
+    spec = load_figure(figure_path(fig))
+    for backend in ("sim", "emu"):
+        for scale in spec.scales:
+            for physics in ("hardware", "paper"):
+                points = expand(spec, backend, scale, tmp_path, physics)
+                assert points and {p.spec.workload.gen_tokens for p in points} == {want}
+
+
+@pytest.mark.parametrize("name", ["compare", "capacity", "agreement", "example", "inrun"])
+def test_shipped_specs_whose_numbers_are_prompt_only_pin_it(name):
+    raw = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
+    assert raw["workload"]["gen_tokens"] == 0
