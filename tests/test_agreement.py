@@ -12,7 +12,7 @@ from testbed.spec import parse_spec
 
 SPEC = {"name": "agree-test", "topology": "small3", "router": {"name": "edgeshard"},
         "engine": {"decision_s": 5e-6},
-        "workload": {"rate_per_s": 10, "duration_s": 0.6, "warmup_s": 0.1,
+        "workload": {"rate_per_s": 10, "duration_s": 0.6, "warmup_s": 0.1, "gen_tokens": 0,
                      "calibration_tokens": 64}}
 
 

@@ -195,7 +195,7 @@ def test_step_dispatch_moves_a_pipelines_prompt_as_one_micro_batch():
     for rule in ("step", "token"):
         spec = parse_spec({"topology": "paper10", "router": {"name": "edgeshard"},
                            "engine": {"decision_s": 5e-6, "dispatch": rule},
-                           "workload": {"rate_per_s": 2, "duration_s": 2, "warmup_s": 0,
+                           "workload": {"rate_per_s": 2, "duration_s": 2, "warmup_s": 0, "gen_tokens": 0,
                                         "calibration_tokens": 64}})
         setup = build_setup(spec)
         w = W(None, setup.shape.top_k)
