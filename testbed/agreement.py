@@ -92,8 +92,8 @@ def _compare(kind: str, router: str, a: Side, b: Side, seeds: int) -> Comparison
                       (int(a.latency_s.size), int(b.latency_s.size)))
 
 
-def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 1
-              ) -> list[Comparison]:
+def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 1,
+              double_t: bool = True) -> list[Comparison]:
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, not {seeds}")
     rows = []
@@ -102,7 +102,7 @@ def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 
         sim = _side(s.with_overrides({"backend": "sim"}), seeds, out, f"sim-{name}")
         emu = _side(s.with_overrides({"backend": "emu"}), seeds, out, f"emu-{name}")
         rows.append(_compare("emu/sim", name, emu, sim, seeds))
-        if i == 0 and emu.dilation:
+        if i == 0 and double_t and emu.dilation:
             emu2 = _side(s.with_overrides({"backend": "emu", "emu.dilation": 2 * emu.dilation}),
                          seeds, out, f"emu2T-{name}")
             rows.append(_compare("2T/T", name, emu2, emu, seeds))

@@ -212,11 +212,13 @@ def agree(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
           set_: list[str] = typer.Option([], "--set", help="override, e.g. topology=small3"),
           out: Path = typer.Option(Path("results/agreement"), help="results folder"),
           seeds: int = typer.Option(1, min=1, max=100, help="seeds per side, their requests "
-                                    "pooled (the spec's seed and the next ones)")) -> None:
+                                    "pooled (the spec's seed and the next ones)"),
+          double_t: bool = typer.Option(True, help="also run the first router on the emulator "
+                                        "at twice its dilation")) -> None:
     """Emulator vs simulator on one spec, and the emulator at T vs 2T; non-zero exit when out of tolerance."""
     from .agreement import agreement, format_rows
     try:
-        rows = agreement(_load(spec, set_), router, out, seeds)
+        rows = agreement(_load(spec, set_), router, out, seeds, double_t)
     except SpecError as err:
         _fail(str(err))
         return
