@@ -22,8 +22,8 @@ from .backends import run_backend
 from .metrics import compute_metrics, memory_use
 from .provenance import provenance, write_json_atomic
 from .records import RecordWriter, read_records
-from .setup import RunSetup, build_setup, check_spec
-from .spec import ExperimentSpec
+from .setup import RunSetup, build_setup, check_spec, resolve_inputs
+from .spec import ExperimentSpec, SpecError
 
 
 @dataclass
@@ -45,11 +45,17 @@ def is_complete(out_dir: Path) -> bool:
 
 def is_done(out_dir: Path, spec: ExperimentSpec) -> bool:
     """A complete run of exactly this spec is in ``out_dir`` (what sweeps, capacity
-    searches and agreement checks skip). A spec asking for ``decision_s: calibrated``
+    searches and agreement checks skip). The spec's symbolic inputs are resolved first
+    (``resolve_inputs``: ``quality.replay: auto`` and the like), as the run resolved them
+    before writing ``spec.resolved.yaml``. A spec asking for ``decision_s: calibrated``
     matches the run that resolved it to the number it charged."""
     f = out_dir / "spec.resolved.yaml"
     if not (is_complete(out_dir) and f.exists()):
         return False
+    try:
+        spec = resolve_inputs(spec)
+    except SpecError:
+        return False  # it could not run as it stands
     on_disk = f.read_text()
     if on_disk == spec.to_yaml():
         return True
