@@ -223,16 +223,30 @@ def test_a_frame_to_the_worker_itself_arrives_at_its_modeled_send_time():
     assert got[1] > node.t0 + 0.01
 
 
-def test_a_layers_feedback_reaches_the_server_that_routed_it():
+def test_a_layers_feedback_gives_the_deciding_server_the_whole_record():
     # the simulator hands each record to the decider that made the decision; in the
     # emulator the record is made where the layer aggregates, and a FEEDBACK frame carries
-    # its cost fields to the residing server's decider
+    # what was measured there to the residing server, which kept its decision and builds
+    # the same TokenLayerRecord (a router reading replicas or tiers sees them in both backends)
     from types import SimpleNamespace
 
+    from hetroute.state import StateView, TokenLayerRecord, TokenView
+    from testbed.core import TokenLayerCore
     from testbed.emu.node.aggregation import Aggregation
     from testbed.emu.node.peers import Peers
     from testbed.emu.wire import Feedback, Frame, decode, encode
+    from testbed.setup import build_setup
+    from testbed.spec import parse_spec
 
+    setup = build_setup(parse_spec({"topology": "small3", "workload": {
+        "rate_per_s": 4, "duration_s": 0.5, "warmup_s": 0.1, "gen_tokens": 0,
+        "calibration_tokens": 64}}))
+    core = TokenLayerCore(setup.router, setup.deployment, setup.cluster, setup.shape,
+                          "hardware", setup.quality)
+    decider = setup.router.decider(0)
+    tv = TokenView(0, 0, 0, 0.02, server=0, layer=3)
+    routed = core.decide(decider, decider.residency(0), StateView(setup.cluster.n), tv,
+                         tuple(setup.request_targets(0, 36)[0][3]), lambda n: 0.0)
     got = []
 
     class Decider:
@@ -240,22 +254,28 @@ def test_a_layers_feedback_reaches_the_server_that_routed_it():
             got.append(rec)
 
     class Node(Peers, Aggregation):
-        N, rank, T, t0, stopping = 2, 0, T, time.monotonic(), False
-        decider = Decider()
-        view = SimpleNamespace(window=11)
+        N, rank, T, t0, stopping = 3, 0, T, time.monotonic(), False
 
     node = Node()
     node._init_peers()
-    fb = Feedback(1, 7, 3, 5, 2, 11, 1e-3, 2e-3, 3e-4, 0.0, 1e-6)
-    node._on_frame(decode(encode(Frame(fb))), time.monotonic())
-    (rec,) = got
-    assert (rec.window, rec.fanout_s, rec.compute_s, rec.fanin_s, rec.offload_s, rec.dq) == \
-        (11, 1e-3, 2e-3, 3e-4, 0.0, 1e-6)
+    node.core, node.decider, node.view = core, Decider(), SimpleNamespace(window=11)
+    node.stats = {"feedback_unmatched": 0}
+    node.decided = {(7, 0, 3, 2): (tv, routed, 0.010, 0.0101, 0.0102)}
+    k = len(routed.assignment.replicas)
+    gpus = (True,) * (k - 1) + (False,)
     # made in the aggregator's window 10, arriving in this server's window 11: the decider's
     # windows never go back (its decisions already closed window 10)
-    node._on_frame(decode(encode(Frame(Feedback(1, 7, 4, 5, 2, 10, 1e-3, 0.0, 0.0, 0.0, 0.0)))),
-                   time.monotonic())
-    assert got[1].window == 11 and got[1].token == 4
+    fb = Feedback(2, 7, 0, 3, 2, 10, 0.0112, 0.0150, 0.0163, 24576, k, gpus)
+    node._on_frame(decode(encode(Frame(fb))), time.monotonic())
+    (rec,) = got
+    want = core.record(tv, routed, list(gpus), 0.010, 0.0101, 0.0102, 0.0112, 0.0150, 0.0163,
+                       24576, k, 11)
+    assert isinstance(rec, TokenLayerRecord) and repr(rec) == repr(want)
+    assert rec.replicas == routed.assignment.replicas and rec.gpus == list(gpus)
+    assert rec.window == 11 and rec.fanin_s == pytest.approx(0.0163 - 0.0150)
+    # a layer this server never routed (or whose decision it forgot): nothing to build
+    node._on_frame(decode(encode(Frame(fb))), time.monotonic())
+    assert len(got) == 1 and node.stats["feedback_unmatched"] == 1
 
 
 @pytest.mark.parametrize("charge, expected", [("calibrated", 5e-6), ("measured", 0.25), (2e-5, 2e-5)])

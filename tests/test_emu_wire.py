@@ -86,8 +86,8 @@ _control = {
     "pong": st.builds(Pong, _u16, _u64, _fin, _fin),
     "challenge": st.builds(w.Challenge, _u16, st.binary(min_size=w.NONCE_BYTES, max_size=w.NONCE_BYTES)),
     "auth": st.builds(w.Auth, _u16, st.binary(min_size=w.MAC_BYTES, max_size=w.MAC_BYTES)),
-    "feedback": st.builds(w.Feedback, _u16, _u64, _u32, _u16, _u64, _u64, _fin, _fin, _fin, _fin,
-                          _fin),
+    "feedback": st.builds(w.Feedback, _u16, _u64, _u32, _u16, _u64, _u64, _fin, _fin, _fin, _u64,
+                          _u16, st.lists(st.booleans(), max_size=12).map(tuple)),
 }
 control_frames = st.one_of(*_control.values()).map(Frame)
 any_frame = st.one_of(data_frames(), control_frames)

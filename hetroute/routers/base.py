@@ -149,10 +149,10 @@ class Router(abc.ABC):
         its times, bytes, executed replicas and tiers, the derived quality increment
         ``dq``, the world's offload time ``offload_s`` and the scheduling ``window`` it
         completed in. Feedback such as eq. (21) is computed here by the router itself.
-        In the emulator the record is made where the layer aggregates; a decider on another
-        server gets its cost fields (``window``, ``fanout_s``, ``compute_s``, ``fanin_s``,
-        ``offload_s``, ``dq``, and the request, token and layer) in a FEEDBACK frame
-        (``testbed.emu.wire.Feedback``)."""
+        In the emulator the record is made where the layer aggregates; the deciding server
+        kept its decision and builds the same record from what a FEEDBACK frame
+        (``testbed.emu.wire.Feedback``) says was measured there, so a decider gets the
+        whole record in both backends."""
 
     def on_request_done(self, request: int) -> None:
         """A request this decider saw has completed (per-request state may go)."""

@@ -43,7 +43,7 @@ import torch
 from hetroute.state import Mode
 
 MAGIC = b"HRTW"
-VERSION = 3  # 3: HIDDEN and PARTIAL carry their dispatch group
+VERSION = 4  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
@@ -196,21 +196,24 @@ class State:
 
 @dataclass(frozen=True, slots=True)
 class Feedback:
-    """A finished token-layer's realized costs, from the aggregator (where the record is
-    made) to the server that routed it: its decider's ``on_layer_done`` gets them, as the
-    simulator hands each record to the decider that made the decision."""
+    """What the aggregator measured of a finished token-layer, to the server that routed it.
+    That server kept its decision (the assignment, its view's age and error, its times), so
+    with these it builds the same ``TokenLayerRecord`` the aggregator wrote, and its
+    decider's ``on_layer_done`` gets the whole record, as the simulator hands each record to
+    the decider that made the decision."""
 
     src: int  # the aggregator
     request: int
     token: int
     layer: int
     seq: int  # the HIDDEN frame's seq
-    window: int  # scheduling window the layer completed in
-    fanout_s: float
-    compute_s: float
-    fanin_s: float
-    offload_s: float  # the world's load time of the slowest CPU-tier replica
-    dq: float  # the layer's quality increment (derived by the backend)
+    window: int  # scheduling window the layer completed in at the aggregator
+    fan_out_end: float  # model time the last participant had the hidden state
+    compute_end: float  # model time the last expert finished
+    t_done: float  # model time the last partial reached the aggregator
+    nbytes: int  # hidden-state bytes the layer moved
+    participants: int
+    gpus: tuple[bool, ...]  # per assignment position: ran on a GPU-resident copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,8 +387,8 @@ _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
     Pong: (("src", "H"), ("seq", "Q"), ("t_ping", "d"), ("t_send", "d")),
     Challenge: (("src", "H"), ("nonce", f"{NONCE_BYTES}s")),
     Auth: (("src", "H"), ("mac", f"{MAC_BYTES}s")),
-    Feedback: (("src", "H"), *_REQ, ("window", "Q"), ("fanout_s", "d"), ("compute_s", "d"),
-               ("fanin_s", "d"), ("offload_s", "d"), ("dq", "d")),
+    Feedback: (("src", "H"), *_REQ, ("window", "Q"), ("fan_out_end", "d"), ("compute_end", "d"),
+               ("t_done", "d"), ("nbytes", "Q"), ("participants", "H")),
 }
 _STRUCTS = {c: struct.Struct("<" + "".join(f for _, f in lay)) for c, lay in _SCALARS.items()}
 
@@ -406,6 +409,7 @@ _LISTS: dict[type, tuple[_List, ...]] = {
     Token: (_SHAPE, _CTX),
     State: (_List("alive", "H", "B", MAX_SERVERS), _List("received", "H", "Q", MAX_SERVERS)),
     Fail: (_List("reason", "B", "B", MAX_REASON),),
+    Feedback: (_List("gpus", "H", "B", MAX_PICKS),),
 }
 _BOOL_SCALARS = {"final"}
 _FLOAT_NAMES = {n for lay in _SCALARS.values() for n, f in lay if f == "d"}
@@ -527,11 +531,11 @@ def _decoded_list(spec: _List, raw: list[tuple]) -> object:
             return bytes(v for (v,) in raw).decode("utf-8")
         except UnicodeDecodeError:
             raise WireError("reason is not UTF-8") from None
-    if spec.name == "alive" or spec.make is Ran:
+    if spec.name in ("alive", "gpus") or spec.make is Ran:
         for r in raw:
             if r[-1] > 1:
                 raise WireError(f"{spec.name} flags must be 0 or 1")
-    if spec.name == "alive":
+    if spec.name in ("alive", "gpus"):
         return tuple(bool(v) for (v,) in raw)
     if spec.make is Ran:
         return tuple(Ran(p, bool(g)) for p, g in raw)

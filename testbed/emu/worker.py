@@ -120,7 +120,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         self.view = StateView(self.N)
         self.writer = RecordWriter(Path(cfg.run_dir), self.k, part_prefix=f"w{self.rank}-")
         self.stats = {"frames_out": 0, "token_layers": 0, "retries": 0, "failed_tokens": 0,
-                      "resolved_unacked": 0, "fails_relayed": 0}
+                      "resolved_unacked": 0, "fails_relayed": 0, "feedback_unmatched": 0}
         self.stopping = False
         self._init_peers()
         self._init_routing()

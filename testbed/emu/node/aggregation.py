@@ -6,7 +6,7 @@ with the output after the last one (TOKEN, final).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,14 +53,27 @@ class Aggregation:
         self._maybe_complete(g)
 
     def _on_feedback(self, m: Feedback) -> None:
-        """A token-layer this server routed is done elsewhere: its realized costs (the
-        record's fields a router's feedback reads) go to this server's decider, in the
-        window this server is in when they arrive. The aggregator's window may be another
-        (the frame crossed a window boundary, or the peers' window timers differ by the
-        loop's lag); a decider's windows never go back, as in the simulator, whose records
-        and decisions share one window counter."""
-        w = self.view.window
-        self.decider.on_layer_done(m if m.window == w else replace(m, window=w))
+        """A token-layer this server routed is done elsewhere."""
+        self._feedback((m.request, m.token, m.layer, m.seq), m.fan_out_end, m.compute_end,
+                       m.t_done, m.nbytes, m.participants, m.gpus)
+
+    def _feedback(self, key: tuple, fan_out_end: float, compute_end: float, t_done: float,
+                  nbytes: int, participants: int, gpus) -> None:
+        """The decider that routed the attempt ``key`` gets its whole ``TokenLayerRecord``:
+        built here, from the decision kept at dispatch and what the aggregator measured, by
+        the core that built the aggregator's (the same fields; ``est_delay_s``, which the
+        HIDDEN frame does not carry, is the router's own here). Its window is the one this
+        server is in: the aggregator's may be another (the frame crossed a window boundary,
+        or the peers' window timers differ by the loop's lag), and a decider's windows never
+        go back, as in the simulator, whose records and decisions share one window counter."""
+        kept = self.decided.pop(key, None)
+        if kept is None:  # forgotten (over ``DECISIONS_KEPT``) or never decided here
+            self.stats["feedback_unmatched"] += 1
+            return
+        tv, routed, t_layer, t_dec, t_disp = kept
+        self.decider.on_layer_done(self.core.record(
+            tv, routed, list(gpus), t_layer, t_dec, t_disp, fan_out_end, compute_end, t_done,
+            nbytes, participants, self.view.window))
 
     def _stale(self, key: tuple) -> bool:
         """A later attempt of the same token-layer is open: this one was abandoned."""
@@ -113,11 +126,11 @@ class Aggregation:
         # recorded where the layer aggregates; fed back to the decider that routed it (the
         # simulator's rule): here, or at the residing server by a FEEDBACK frame
         if theta == self.rank:
-            self.decider.on_layer_done(rec)
+            self._feedback(g.key, fo_end, comp_end, t, n_bytes, len(g.partials), gpus)
         else:
             self._send(theta, Frame(Feedback(self.rank, h.request, h.token, h.layer, h.seq,
-                                             rec.window, rec.fanout_s, rec.compute_s,
-                                             rec.fanin_s, rec.offload_s, rec.dq)))
+                                             rec.window, fo_end, comp_end, t, n_bytes,
+                                             len(g.partials), tuple(gpus))))
         lam = float(h.lam_acc) + dq
         if not last:
             self._begin_layer(Token(src=self.rank, request=h.request, token=h.token,

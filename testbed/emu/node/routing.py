@@ -10,6 +10,7 @@ as in the simulator; the third loss fails the token.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import replace
 
 import numpy as np
@@ -23,6 +24,7 @@ from ..stream import Work
 from ..wire import DType, Hidden, Pick, Token
 
 ROUTING_CACHE = 4096  # requests whose trace routing is kept
+DECISIONS_KEPT = 1 << 16  # decisions kept for their feedback (then the oldest go)
 
 
 class Routing:
@@ -34,6 +36,9 @@ class Routing:
         self.measured_decisions = self.spec.engine.decision_s == "measured"
         self.decision_cpu: list[float] = []  # measured CPU seconds per decision (wall, not dilated)
         self.relayered: set[tuple] = set()  # token-layer attempts already re-routed or failed here
+        #: (request, token, layer, seq) -> (view, routed, t_layer, t_dec, t_disp) of the
+        #: decisions made here, until the layer's FEEDBACK makes their record (aggregation.py)
+        self.decided: OrderedDict[tuple, tuple] = OrderedDict()
         #: wall seconds the worker's own Python adds per hop (reported in w<rank>.json): from a
         #: frame's modeled send time to its write (dispatch after the decision; partial after
         #: its step's end) and from a frame's arrival to its jobs being queued
@@ -182,6 +187,9 @@ class Routing:
             router_ctx=tuple(tv.ctx) if tv.ctx else (), dtype=DType.FLOAT32, shape=(self.d,))
         frame = self._hidden_frame(out, h)
         key = (rid, index, layer, out.seq)
+        self.decided[key] = (tv, routed, t_layer, t_dec, t_disp)
+        if len(self.decided) > DECISIONS_KEPT:
+            self.decided.popitem(last=False)
 
         def lost(peer: int) -> None:  # the state never reached ``peer``: route again from here
             self._relayer(key, out, h, f"server {self.setup.cluster.names[peer]} lost")
