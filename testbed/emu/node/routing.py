@@ -119,21 +119,18 @@ class Routing:
         """A token with a destination already lost goes on its own (its dispatch fails and
         routes again), so that every group it would have joined still completes."""
         counts: dict[int, int] = {}
-        alone = []
-        for item in routed_all:
-            routed = item[3][1]
+        grouped = []
+        for *_, (tv, routed, t_dec, _) in routed_all:
             dests = set(routed.per_server) | {int(routed.assignment.next_server)}
-            if all(n == self.rank or self.reachable[n] for n in dests):
+            ok = all(n == self.rank or self.reachable[n] for n in dests)
+            if ok:
                 for n in dests:
                     counts[n] = counts.get(n, 0) + 1
-            else:
-                alone.append(item)
+            grouped.append(ok)
         self._groups += 1
         group = (self._groups, counts)
-        for item in routed_all:
-            tok, h, t_layer, (tv, routed, t_dec, _) = item
-            self._dispatch(tok, h, t_layer, 0, tv, routed, t_dec, t_disp,
-                           None if any(item is x for x in alone) else group)
+        for ok, (tok, h, t_layer, (tv, routed, t_dec, _)) in zip(grouped, routed_all):
+            self._dispatch(tok, h, t_layer, 0, tv, routed, t_dec, t_disp, group if ok else None)
 
     def _route(self, tok: Token, h: torch.Tensor, t_dec: float | None):
         """Decide the token's layer and charge the decision to this server's CPU: (view,
@@ -185,7 +182,8 @@ class Routing:
             assignment=tuple(Pick(int(e), int(r), int(m))
                              for e, r, m in zip(a.targets, a.replicas, a.modes)),
             router_ctx=tuple(tv.ctx) if tv.ctx else (), dtype=DType.FLOAT32, shape=(self.d,))
-        frame = self._hidden_frame(out, h)
+        # one encoding for every destination, or one per destination with its group's count
+        frame = self._hidden_frame(out, h) if group is None else None
         key = (rid, index, layer, out.seq)
         self.decided[key] = (tv, routed, t_layer, t_dec, t_disp)
         if len(self.decided) > DECISIONS_KEPT:
