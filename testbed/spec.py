@@ -150,6 +150,32 @@ class EmuSpec(_Model):
                                "arrival; requests unfinished then are recorded as failed")
 
 
+class NetSpec(_Model):
+    """How a message crosses a link beyond rate and delay (``testbed/tcp.py``)."""
+
+    #: ``tcp`` since 2026-11-26: Linux's defaults are what a deployment gets unless tuned, and
+    #: the window moves the hardware world's latencies by up to 1.8x at low load (README,
+    #: "TCP's window"); ``ideal`` was the testbed's rule before and stays available
+    transport: Literal["ideal", "tcp"] = Field(
+        "tcp", description="'tcp': a message larger than its connection's congestion window "
+        "waits a round trip per window (slow start from the initial window, halved per idle "
+        "retransmission timeout), in both backends; 'ideal': the window always fills the "
+        "pipe. Hardware physics only (the paper's links are ideal)")
+    init_cwnd: int = Field(10, ge=1, le=100_000, description="initial window, segments "
+                           "(RFC 6928)")
+    mss_bytes: int = Field(1448, ge=88, le=65_495, description="TCP payload per segment")
+    rto_min_s: float = Field(0.2, gt=0, le=60, description="minimum retransmission timeout "
+                             "(Linux TCP_RTO_MIN); a connection idle for round trip + this "
+                             "halves its window")
+    idle_decay: bool = Field(True, description="net.ipv4.tcp_slow_start_after_idle (Linux "
+                             "default 1)")
+
+    def params(self):
+        from .tcp import TcpParams
+
+        return TcpParams(self.init_cwnd, self.mss_bytes, self.rto_min_s, self.idle_decay)
+
+
 class EngineSpec(_Model):
     """How each server's stream batches and what a routing decision costs (testbed/steps.py)."""
 
@@ -200,6 +226,7 @@ class ExperimentSpec(_Model):
     sla_s: float = Field(0.3, gt=0, le=3_600, description="SLA target (Fig. 9: 300 ms)")
     sim: SimSpec = SimSpec()
     engine: EngineSpec = EngineSpec()
+    net: NetSpec = NetSpec()
     emu: EmuSpec = EmuSpec()
     faults: list[FaultSpec] = Field(default_factory=list)
 

@@ -39,8 +39,11 @@ GOLDEN = {
 }
 
 #: The digests above are of the per-token dispatch rule (``engine.dispatch: token``, the
-#: default until 2026-11-26), which stays available; ``STEP`` is the step rule's.
+#: default until 2026-11-26), which stays available; ``STEP`` is the step rule's; both on
+#: ideal links (``net.transport: ideal``, the default until 2026-11-26). ``STEP_TCP`` is the
+#: step rule's with TCP's window (``testbed/tcp.py``).
 STEP = "94cab10c4e931cbb144436501add0770cbee42ec7f135b942448e1a19c792333"
+STEP_TCP = "72e2c6444b5c1f03bef0a2ae41a561b7b26f767d93f95a3e872737a8205f15ad"
 
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
         "engine": {"decision_s": 0, "dispatch": "token"},
@@ -60,14 +63,15 @@ def digest(*frames: pd.DataFrame) -> str:
     return h.hexdigest()
 
 
-def run_digests(drop: list[str] | None = None, dispatch: str = "token") -> dict[str, str]:
+def run_digests(drop: list[str] | None = None, dispatch: str = "token",
+                transport: str = "ideal") -> dict[str, str]:
     """Both physics on one placement (the world's physics does not enter the placement);
     ``drop``: request-table columns left out of the digest."""
     base = build_setup(parse_spec({**SPEC, "physics": "hardware"}))
     out = {}
     for physics in ("hardware", "paper"):
         setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides(
-            {"physics": physics, "engine.dispatch": dispatch})))
+            {"physics": physics, "engine.dispatch": dispatch, "net.transport": transport})))
         writer = RecordWriter(None, setup.shape.top_k)
         SimBackend(setup, writer).run()
         writer.close()
@@ -87,6 +91,13 @@ def test_step_dispatch_records_match_theirs_and_leave_the_papers_world_alone():
     got = run_digests(dispatch="step")
     assert got["paper"] == GOLDEN["paper"], "the paper's world is per token whatever the rule"
     assert got["hardware"] == STEP, f"the step rule's records changed: {got['hardware']}"
+
+
+def test_tcp_windows_change_the_hardware_world_only():
+    got = run_digests(dispatch="step", transport="tcp")
+    assert got["paper"] == GOLDEN["paper"], "the paper's links are ideal whatever the transport"
+    assert got["hardware"] != STEP, "the window never bound: the test's load does not probe it"
+    assert got["hardware"] == STEP_TCP, f"the TCP world's records changed: {got['hardware']}"
 
 
 def test_batched_request_routing_equals_routing_each_request_alone():
@@ -110,4 +121,5 @@ def test_batched_request_routing_equals_routing_each_request_alone():
 
 
 if __name__ == "__main__":  # pragma: no cover - prints the digests to record
-    print(run_digests(), run_digests(dispatch="step")["hardware"])
+    print(run_digests(), run_digests(dispatch="step")["hardware"],
+          run_digests(dispatch="step", transport="tcp")["hardware"])

@@ -16,9 +16,11 @@ and accepts with a PONG; only then does the connector send. A connection that fa
 Delay ("transport" mechanism, used when the kernel has no netem): a frame is
 handed to the worker at the time its last byte arrived plus the dilated
 one-way delay of the link it came over, which is the simulator's rule
-(transmission, then propagation). TCP's own ACKs are not delayed, so window
-dynamics are not emulated; with netem the delay is in the kernel and this
-line adds nothing.
+(transmission, then propagation). TCP's own ACKs are not delayed, so the
+kernel's window dynamics see no round trip; under ``net.transport: tcp`` the
+sender models its window (``testbed/tcp.py``, as the simulator does) and each
+data frame carries the wait (``hold_s``), which this line adds. With netem the
+delay is in the kernel and this line adds nothing.
 
 Malformed, truncated or oversized frames close that connection only
 (``WireError``); the worker keeps serving everyone else.
@@ -130,12 +132,16 @@ class Transport:
     def __init__(self, rank: int, port: int, peers: dict[int, tuple[str, int]],
                  delays_in: list[float], on_frame: OnFrame, on_peer_lost: Callable[[int, str], None],
                  secret: bytes, log: Callable[[str], None] = lambda s: None,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD, check_source: bool = True) -> None:
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, check_source: bool = True,
+                 hold_scale: float = 0.0) -> None:
         if len(secret) < 16:
             raise ValueError("the run secret must have at least 16 bytes")
         self.rank, self.port, self.peers = rank, port, peers
         self.secret, self.check_source = secret, check_source
         self.delays_in = delays_in  # seconds, per source server
+        #: wall seconds per emulated second of a frame's ``hold_s`` (its congestion-window
+        #: wait, ``net.transport: tcp``): T with the transport delay line, else 0
+        self.hold_scale = hold_scale
         self.on_frame, self._on_peer_lost, self.log = on_frame, on_peer_lost, log
         self.max_payload = max_payload
         self.out: dict[int, asyncio.Transport] = {}
@@ -199,6 +205,8 @@ class Transport:
         self.frames_in += 1
         self.received_frames[src] = self.received_frames.get(src, 0) + 1
         d = self.delays_in[src]
+        if self.hold_scale:
+            d += getattr(frame.msg, "hold_s", 0.0) * self.hold_scale
         if d <= 0:
             self.on_frame(frame, arrival)
             return

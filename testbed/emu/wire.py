@@ -43,7 +43,10 @@ import torch
 from hetroute.state import Mode
 
 MAGIC = b"HRTW"
-VERSION = 4  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured
+#: a congestion-window wait longer than this is a sender's bug, not a window
+MAX_HOLD_S = 3600.0
+VERSION = 5  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
+#: 5: HIDDEN, PARTIAL and TOKEN carry their congestion-window wait (``hold_s``)
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
@@ -138,6 +141,10 @@ class Hidden:
     #: ``group_n`` are in, at the last one's arrival. 1: on its own
     group: int = 0
     group_n: int = 1
+    #: ``net.transport: tcp``: emulated seconds the message waits for its sender's
+    #: congestion window beyond line rate (``testbed/tcp.py``), added by the receiver's
+    #: delay line (the kernel's own TCP sees no delay to grow its window over)
+    hold_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +166,10 @@ class Partial:
     #: ``group_n`` are in, at the last one's arrival. 1: on its own
     group: int = 0
     group_n: int = 1
+    #: ``net.transport: tcp``: emulated seconds the message waits for its sender's
+    #: congestion window beyond line rate (``testbed/tcp.py``), added by the receiver's
+    #: delay line (the kernel's own TCP sees no delay to grow its window over)
+    hold_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +188,10 @@ class Token:
     router_ctx: tuple[int, ...] = ()
     dtype: DType = DType.NONE
     shape: tuple[int, ...] = ()
+    #: ``net.transport: tcp``: emulated seconds the message waits for its sender's
+    #: congestion window beyond line rate (``testbed/tcp.py``), added by the receiver's
+    #: delay line (the kernel's own TCP sees no delay to grow its window over)
+    hold_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,10 +391,11 @@ _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
     Hidden: (("src", "H"), *_REQ, ("retries", "B"), ("home", "H"), ("aggregator", "H"),
              ("n_participants", "H"), ("lam_acc", "d"), ("t_layer", "d"), ("t_dispatch", "d"),
              ("view_age_us", "q"), ("backlog_err_us", "q"), ("decision_us", "q"), ("dtype", "B"),
-             ("group", "I"), ("group_n", "H")),
+             ("group", "I"), ("group_n", "H"), ("hold_s", "d")),
     Partial: (("src", "H"), *_REQ, ("t_arrived", "d"), ("t_computed", "d"), ("dtype", "B"),
-              ("group", "I"), ("group_n", "H")),
-    Token: (("src", "H"), *_REQ, ("home", "H"), ("lam_acc", "d"), ("final", "B"), ("dtype", "B")),
+              ("group", "I"), ("group_n", "H"), ("hold_s", "d")),
+    Token: (("src", "H"), *_REQ, ("home", "H"), ("lam_acc", "d"), ("final", "B"), ("dtype", "B"),
+            ("hold_s", "d")),
     State: (("src", "H"), ("window", "Q"), ("opened_at", "d"), ("t_send", "d"), ("backlog_s", "d")),
     Fail: (("src", "H"), ("home", "H"), ("request", "Q"), ("token", "I")),
     Shutdown: (("src", "H"),),
@@ -433,6 +449,8 @@ def _check(m: Message) -> None:
             raise WireError(f"{name} is not finite")
     if getattr(m, "lam_acc", 0.0) < 0:
         raise WireError("lam_acc must be >= 0")
+    if not 0.0 <= getattr(m, "hold_s", 0.0) <= MAX_HOLD_S:
+        raise WireError(f"hold_s must be in [0, {MAX_HOLD_S:g}] s")
     if isinstance(m, TENSOR_MESSAGES):
         if m.dtype not in _TORCH_OF or not 1 <= len(m.shape) <= MAX_DIMS:
             raise WireError(f"{type(m).__name__} needs a float tensor payload of 1-{MAX_DIMS} dims")

@@ -41,6 +41,7 @@ from ..records import RecordWriter
 from ..setup import build_setup
 from ..spec import parse_spec
 from ..steps import StepScheduler
+from ..tcp import hold_clocks
 from .experts import ExpertBank, ExpertSpec
 from .node.aggregation import Aggregation
 from .node.compute import Compute
@@ -117,6 +118,14 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         self.step_dispatch = self.hardware and spec.engine.dispatch == "step"
         self.dense_s = self.core.world.dense_s(self.rank, 1)  # physics: paper (a delay)
         self.hidden_bytes = sh.hidden_bytes
+        #: ``net.transport: tcp`` with the transport delay line: this sender's window per
+        #: peer, whose waits its data frames carry (``hold_s``); with netem the kernel's
+        #: own TCP sees the delay and nothing is added
+        self.holds = (hold_clocks(spec.net.params(), s.cluster.bandwidth, s.cluster.delay,
+                                  spec.sim.payload_efficiency, self.rank,
+                                  sh.hidden_bytes + spec.sim.header_bytes)
+                      if self.hardware and spec.net.transport == "tcp" and any(cfg.delays_in)
+                      else None)
         self.view = StateView(self.N)
         self.writer = RecordWriter(Path(cfg.run_dir), self.k, part_prefix=f"w{self.rank}-")
         self.stats = {"frames_out": 0, "token_layers": 0, "retries": 0, "failed_tokens": 0,
@@ -158,7 +167,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         else:
             secret = bytes.fromhex(self.cfg.secret)
         self.net = Transport(self.rank, self.cfg.port, self.cfg.peers, self.cfg.delays_in,
-                             self._on_frame, self._peer_lost, secret, log=self._log)
+                             self._on_frame, self._peer_lost, secret, log=self._log,
+                             hold_scale=self.T if self.holds is not None else 0.0)
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up

@@ -42,6 +42,7 @@ from ..core import Routed, TokenLayerCore
 from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
 from ..steps import DENSE, Job, StepScheduler
+from ..tcp import windows as tcp_windows
 
 if TYPE_CHECKING:
     from ..setup import RunSetup
@@ -60,6 +61,8 @@ class SimStats:
     decision_charged_s: float = 0.0  # what the simulated servers were charged
     dq_misreported: int = 0  # token-layers whose router-reported dq was not the quality model's
     dq_misreport_first: tuple | None = None  # (request, token, layer, reported, derived)
+    tcp_waits: int = 0  # messages that waited for their congestion window (net.transport: tcp)
+    tcp_wait_s: float = 0.0  # summed over them
 
 
 @contextmanager
@@ -152,6 +155,10 @@ class SimBackend:
                    for m in range(N)]
         self.delay = [list(row) for row in cl.delay]
         self.link_free = [[0.0] * N for _ in range(N)]
+        #: ``net.transport: tcp``: each directed pair's congestion window (testbed/tcp.py)
+        self.tcp = (tcp_windows(spec.net.params(), cl.bandwidth, cl.delay, eff)
+                    if spec.physics == "hardware" and spec.net.transport == "tcp" else None)
+        self.msg_wire = msg
         self.core = core = TokenLayerCore(setup.router, setup.deployment, cl, shape, spec.physics,
                                           setup.quality)
         self.rep_server = core.rep_server
@@ -214,7 +221,15 @@ class SimBackend:
         (FIFO link), plus ``sim.hop_jitter_s``'s draw where it is set."""
         free = self.link_free[m]
         start = free[n] if free[n] > t else t
-        end = start + self.tx[m][n] * count
+        tx = self.tx[m][n] * count
+        end = start + tx
+        if self.tcp is not None:
+            w = self.tcp[m][n]
+            wait = w.wait(start, self.msg_wire * count, tx)
+            if wait:
+                end += wait
+                self.stats.tcp_wait_s += wait
+                self.stats.tcp_waits += 1
         free[n] = end
         if self.jitter is None:
             return end + self.delay[m][n]

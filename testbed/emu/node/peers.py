@@ -14,16 +14,22 @@ from __future__ import annotations
 import time
 import traceback
 from collections import deque
+from dataclasses import replace
 
 import torch
 
-from ..wire import Fail, Feedback, Frame, Hidden, Partial, State, Token, tensor_frame
+from ..wire import (TENSOR_MESSAGES, Fail, Feedback, Frame, Hidden, Partial, State, Token,
+                    tensor_frame)
 
 SILENT_WINDOWS = 2  # a peer silent this many windows is lost (it sends STATE every window)
 
 
 class Peers:
     """Owns ``peer_backlog``, ``last_heard``, ``reachable``, ``max_gap`` and ``unacked``."""
+
+    #: per peer, the sender's congestion-window clock (``testbed.tcp.HoldClock``); set by
+    #: the worker under ``net.transport: tcp`` with the transport delay line
+    holds: dict | None = None
 
     def _init_peers(self) -> None:
         n = self.N
@@ -35,6 +41,8 @@ class Peers:
         self.unacked: dict[int, deque] = {p: deque() for p in range(n) if p != self.rank}
         #: (sender, group) -> frames of a dispatch group received so far, with their arrivals
         self.grouped: dict[tuple[int, int], list[tuple[Frame, float]]] = {}
+        #: (destination, kind, group) -> (its congestion-window wait, frames still to send)
+        self._group_holds: dict[tuple, tuple[float, int]] = {}
 
     def _tick(self, window: int) -> None:
         if self.stopping:
@@ -68,12 +76,32 @@ class Peers:
             return True
         if not self.reachable[dst]:  # lost: a cut link would swallow the frame without an error
             return False
+        if self.holds is not None and at is not None and isinstance(frame.msg, TENSOR_MESSAGES):
+            frame = self._held(dst, frame, at)
         ok = self.net.send(dst, frame)
         if ok:
             self.stats["frames_out"] += 1
             if resolve is not None:
                 self.unacked[dst].append((self.net.sent_frames[dst], resolve))
         return ok
+
+    def _held(self, dst: int, frame: Frame, at: float) -> Frame:
+        """``frame`` with its congestion-window wait (``net.transport: tcp``): a dispatch
+        group is one message, as in the simulator, so its frames share the wait of the
+        whole group, computed at its first frame."""
+        m = frame.msg
+        n = getattr(m, "group_n", 1)
+        if n > 1:
+            key = (dst, type(m), m.group)
+            got = self._group_holds.pop(key, None)
+            hold, left = got if got is not None else (self.holds[dst].hold(at, n), n)
+            if left > 1:
+                self._group_holds[key] = (hold, left - 1)
+        else:
+            hold = self.holds[dst].hold(at)
+        if hold <= 0.0:
+            return frame
+        return Frame(replace(m, hold_s=hold), frame.payload, frame.pad_len)
 
     def _acked(self, src: int, received: tuple[int, ...]) -> None:
         n = received[self.rank] if self.rank < len(received) else 0

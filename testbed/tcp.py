@@ -1,0 +1,157 @@
+"""TCP's congestion window on a long-lived connection: what a message waits beyond line rate.
+
+The ideal link (``net.transport: ideal``) delivers a message of ``b`` bytes at
+``start + b / (B * efficiency) + delay``: the sender always has a window as
+large as the path's bandwidth-delay product. A real sender does not. It
+starts a connection, and restarts it after an idle period, with a small
+window, and a message larger than its window waits one round trip per
+window-full (slow start). Under ``net.transport: tcp`` both backends add that
+wait to the ideal arrival; nothing else changes (what the window does not
+limit arrives exactly as on the ideal link).
+
+The rules, per directed server pair (one connection, as the emulator's
+workers hold one per peer), on data messages only:
+
+- **Initial window** ``init_cwnd`` segments of ``mss`` payload bytes: 10
+  (RFC 6928, Linux's default since 2.6.39).
+- **Slow start** (RFC 5681 Sec. 3.1): a window-limited flight of ``w``
+  segments takes one round trip plus a segment's transmission and grows the
+  window by ``w`` (one segment per ACKed segment; Linux counts ACKed segments,
+  so delayed ACKs do not slow it). Without losses ``ssthresh`` keeps its initial
+  infinity (Linux's ``tcp_current_ssthresh`` takes the larger of it and 3/4 of
+  the window on every reduction below), so every growth is slow start; the
+  congestion-avoidance rule (CUBIC in Linux) never applies. A flight is
+  window-limited while ``w`` segments take less than a round trip to send.
+  The window grows only from messages that were window-limited or used at least
+  half of it (Linux's ``tcp_is_cwnd_limited`` in slow start: the window is
+  "limited" while it is under twice the most segments recently in flight).
+- **Idle decay** (RFC 5681 Sec. 4.1; Linux ``tcp_cwnd_restart`` and
+  ``tcp_cwnd_application_limited``, both on by the default
+  ``net.ipv4.tcp_slow_start_after_idle = 1``): for every retransmission
+  timeout the connection sent nothing, the window halves, never below the
+  initial window, and it regrows by slow start. Linux's timeout for a steady path is the round
+  trip plus ``rto_min`` (200 ms, ``TCP_RTO_MIN``), since its variance term
+  is floored at ``rto_min``.
+
+Left out, and why: losses (the shaped links queue, they do not drop: the
+emulator's ``fidelity`` checks zero drops), the receive window (Linux
+autotunes it to the path, up to ``tcp_rmem``'s 6 MB), Nagle and delayed ACK
+stalls (the workers write whole frames; small messages fit the initial
+window), pacing, and control frames (the emulator's per-window STATE
+broadcasts are left out of the idle clock in both backends; under Linux they
+turn an idle restart into the application-limited decay above, which halves
+by the same rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+
+#: Linux's minimum retransmission timeout (include/net/tcp.h, TCP_RTO_MIN = HZ/5)
+RTO_MIN_S = 0.2
+#: RFC 6928's initial window, in segments
+INIT_CWND = 10
+#: TCP payload per segment on a 1500-byte Ethernet MTU with timestamps (1500 - 20 - 20 - 12)
+MSS_BYTES = 1448
+
+
+@dataclass(frozen=True)
+class TcpParams:
+    init_cwnd: int = INIT_CWND
+    mss: int = MSS_BYTES
+    rto_min_s: float = RTO_MIN_S
+    idle_decay: bool = True
+
+
+class TcpWindow:
+    """One direction of one connection. ``wait`` is called in send order, with the
+    time its message starts to leave (after the messages before it on the link)."""
+
+    __slots__ = ("p", "rtt", "seg_s", "rto", "cwnd", "last_end", "limit")
+
+    def __init__(self, params: TcpParams, rtt_s: float, bytes_per_s: float) -> None:
+        self.p = params
+        self.rtt = rtt_s
+        self.seg_s = params.mss / bytes_per_s  # one segment's transmission time
+        self.rto = rtt_s + params.rto_min_s
+        self.cwnd = float(params.init_cwnd)
+        self.last_end: float | None = None  # when the last data message's last byte left
+        #: a flight of at least this many segments fills the pipe (no ACK wait)
+        self.limit = (rtt_s + self.seg_s) / self.seg_s if self.seg_s > 0 else 0.0
+
+    def wait(self, start_s: float, nbytes: int, tx_s: float) -> float:
+        """Seconds the message waits for ACKs beyond its ``tx_s`` of transmission,
+        and the window after it (state is updated)."""
+        p = self.p
+        if self.last_end is not None and p.idle_decay:
+            idle = start_s - self.last_end
+            if idle > self.rto:
+                halvings = min(int(idle / self.rto), 60)
+                self.cwnd = max(float(p.init_cwnd), self.cwnd / (2.0 ** halvings))
+        segs = ceil(nbytes / p.mss) if nbytes > 0 else 0
+        extra = 0.0
+        cwnd = self.cwnd
+        limit = self.limit
+        while segs > 0:
+            if cwnd >= limit:  # the window fills the pipe: the rest flows at line rate
+                cwnd += segs
+                break
+            w = int(cwnd)
+            if segs <= w:  # the last flight: no ACK to wait for
+                if extra or 2 * segs >= cwnd:
+                    cwnd += segs
+                break
+            segs -= w
+            # the flight's w segments are part of tx_s; the round trip of its first
+            # segment's ACK is not
+            extra += self.rtt + self.seg_s - w * self.seg_s
+            cwnd += w  # slow start: a segment per segment ACKed
+        self.cwnd = cwnd
+        self.last_end = start_s + tx_s + extra
+        return extra
+
+
+def windows(params: TcpParams, bandwidth, delay, efficiency: float) -> list[list[TcpWindow | None]]:
+    """A window per directed pair of a cluster (``None`` on the diagonal): round trip
+    ``delay[m][n] + delay[n][m]``, segments at ``bandwidth[m][n] * efficiency``."""
+    N = len(bandwidth)
+    return [[None if m == n else
+             TcpWindow(params, delay[m][n] + delay[n][m], bandwidth[m][n] * efficiency)
+             for n in range(N)] for m in range(N)]
+
+
+class HoldClock:
+    """The emulator's sender side of one connection. Its link (HTB at B/T) already
+    queues messages at line rate; what it lacks is the window. So the sender keeps two
+    FIFO clocks in emulated time, the ideal link's and the windowed one's, and a
+    message's hold is how much later its last byte leaves on the second: the
+    simulator's arrival, reached by adding the hold to the real one."""
+
+    __slots__ = ("window", "msg_bytes", "tx_s", "free", "ideal_free")
+
+    def __init__(self, window: TcpWindow, msg_bytes: int, tx_s: float) -> None:
+        self.window = window
+        self.msg_bytes = msg_bytes  # wire bytes of one hidden state (payload + framing)
+        self.tx_s = tx_s  # its transmission time at line rate
+        self.free = 0.0
+        self.ideal_free = 0.0
+
+    def hold(self, t: float, count: int = 1) -> float:
+        """Emulated seconds to add to the arrival of ``count`` hidden states sent at ``t``
+        as one message."""
+        tx = self.tx_s * count
+        start = self.ideal_free if self.ideal_free > t else t
+        self.ideal_free = start + tx
+        start = self.free if self.free > t else t
+        self.free = start + tx + self.window.wait(start, self.msg_bytes * count, tx)
+        return max(0.0, self.free - self.ideal_free)
+
+
+def hold_clocks(params: TcpParams, bandwidth, delay, efficiency: float, src: int,
+                msg_bytes: int) -> dict[int, HoldClock]:
+    """Server ``src``'s sender side towards every peer, built as ``windows`` builds the
+    simulator's (same round trips, same segment times)."""
+    wins = windows(params, bandwidth, delay, efficiency)[src]
+    return {n: HoldClock(w, msg_bytes, msg_bytes / (bandwidth[src][n] * efficiency))
+            for n, w in enumerate(wins) if w is not None}

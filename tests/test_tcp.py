@@ -1,0 +1,135 @@
+"""The congestion-window model (testbed/tcp.py) and its use by both backends."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testbed.tcp import HoldClock, TcpParams, TcpWindow, hold_clocks, windows
+
+MSS = 1448
+RATE = 125e6  # 1 Gbit/s in bytes/s
+RTT = 0.02
+
+
+def _window(**kw) -> TcpWindow:
+    return TcpWindow(TcpParams(**kw), RTT, RATE)
+
+
+def test_a_message_within_the_initial_window_waits_nothing():
+    w = _window()
+    assert w.wait(0.0, 10 * MSS, 10 * MSS / RATE) == 0.0
+
+
+def test_slow_start_waits_one_round_trip_per_doubling_from_a_cold_window():
+    """206 segments from a window of 10: flights of 10, 20, 40, 80, then the last 56;
+    four round trips waited, each less the flight's own transmission."""
+    w = _window()
+    seg = MSS / RATE
+    wait = w.wait(0.0, 206 * MSS, 206 * seg)
+    expected = sum(RTT + seg - f * seg for f in (10, 20, 40, 80))
+    assert wait == pytest.approx(expected)
+    assert w.cwnd == pytest.approx(10 + 10 + 20 + 40 + 80 + 56)
+    # warm now: the same message again right away goes in one flight
+    assert w.wait(w.last_end, 206 * MSS, 206 * seg) == 0.0
+
+
+def test_a_window_that_fills_the_pipe_is_the_ideal_link():
+    """Above the bandwidth-delay product nothing waits, however large the message."""
+    w = _window(init_cwnd=10_000)  # 14.5 MB > 1 Gbit/s x 20 ms
+    assert w.wait(0.0, 50_000 * MSS, 50_000 * MSS / RATE) == 0.0
+
+
+def test_idle_halves_the_window_per_timeout_never_below_the_initial_window():
+    w = _window()
+    seg = MSS / RATE
+    w.wait(0.0, 400 * MSS, 400 * seg)
+    warm = w.cwnd
+    rto = RTT + 0.2
+    w.wait(w.last_end + 2.5 * rto, 1, seg)  # two whole timeouts idle
+    assert w.cwnd == pytest.approx(warm / 4)
+    w.wait(w.last_end + 100 * rto, 1, seg)
+    assert w.cwnd == 10
+
+
+def test_without_idle_decay_a_warm_window_stays_warm():
+    w = _window(idle_decay=False)
+    seg = MSS / RATE
+    w.wait(0.0, 400 * MSS, 400 * seg)
+    assert w.wait(w.last_end + 60.0, 400 * MSS, 400 * seg) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 2.0), st.integers(1, 2000)), min_size=1, max_size=30),
+       st.floats(1e-4, 0.05), st.floats(1e7, 2e9))
+def test_waits_are_finite_non_negative_and_bounded_by_slow_start(msgs, rtt, rate):
+    """Whatever the history, a message of s segments waits at most the round trips of
+    slow start from the initial window (log2(s / 10) + 1 of them)."""
+    w = TcpWindow(TcpParams(), rtt, rate)
+    t = 0.0
+    for gap, segs in msgs:
+        t = (w.last_end or 0.0) + gap
+        tx = segs * MSS / rate
+        wait = w.wait(t, segs * MSS, tx)
+        assert math.isfinite(wait) and wait >= 0.0
+        rounds = max(0, math.ceil(math.log2(segs / 10 + 1)))
+        assert wait <= rounds * (rtt + MSS / rate) + 1e-12
+        assert w.cwnd >= 10
+
+
+def test_the_emulators_hold_is_the_simulators_extra_delay():
+    """The hold a sender attaches is what the simulator's windowed FIFO adds to the
+    ideal FIFO's arrival, message by message, also when messages queue."""
+    bw = [[0.0, RATE], [RATE, 0.0]]
+    delay = [[0.0, RTT / 2], [RTT / 2, 0.0]]
+    msg = 8192 + 64
+    clock = hold_clocks(TcpParams(), bw, delay, 1.0, 0, msg)[1]
+    sim = windows(TcpParams(), bw, delay, 1.0)[0][1]
+    tx1 = msg / RATE
+    free = ideal_free = 0.0
+    for t, count in ((0.0, 36), (0.0001, 36), (0.3, 1), (0.9, 72), (0.9, 5)):
+        tx = tx1 * count
+        start = max(t, free)
+        free = start + tx + sim.wait(start, msg * count, tx)
+        istart = max(t, ideal_free)
+        ideal_free = istart + tx
+        assert clock.hold(t, count) == pytest.approx(free - ideal_free)
+
+
+def test_the_simulator_adds_the_window_wait_to_a_cold_fan_out():
+    """One 200 kB hidden state from a to b on a cold connection (1 GB/s, 1 ms each way):
+    139 segments go as flights of 10, 20, 40, then 69; the fan-out waits three round
+    trips less those flights' transmission. ``ideal`` leaves it at line rate."""
+    from hetroute.deployment import Deployment, Replica
+    from hetroute.system import Precision
+    from testbed.spec import parse_spec
+
+    from . import factories as F
+    from .test_sim import FakeSetup, Fixed, Req, _cluster, _run
+
+    sh = F.shape(n_layers=1, experts=1, top_k=1, d_model=100_000)  # 200 kB in FP16
+    cl = _cluster(B=1e9, delay=1e-3)
+    dep = Deployment((Replica(0, 1, Precision.FP16, True),), 1, 2)
+    fan_out = {}
+    for transport in ("ideal", "tcp"):
+        spec = parse_spec({"window_s": 0.01, "sim": {"payload_efficiency": 1.0, "header_bytes": 0},
+                           "physics": "hardware", "engine": {"decision_s": 0.0},
+                           "net": {"transport": transport}})
+        setup = FakeSetup(cl, sh, dep, Fixed({0: 0}, agg=1), [Req(0, 0.0)], {0: [((0,),)]},
+                          spec=spec)
+        st, tl, _ = _run(setup)
+        fan_out[transport] = tl.fanout_s.iloc[0]
+        assert (st.tcp_waits > 0) == (transport == "tcp")
+    seg = 1448 / 1e9
+    assert fan_out["ideal"] == pytest.approx(200_000 / 1e9 + 1e-3)
+    waits = sum(2e-3 + seg - f * seg for f in (10, 20, 40))
+    assert fan_out["tcp"] == pytest.approx(fan_out["ideal"] + waits)
+    # the paper's world keeps its ideal links whatever the transport says
+    spec = parse_spec({"window_s": 0.01, "sim": {"payload_efficiency": 1.0, "header_bytes": 0},
+                       "physics": "paper", "engine": {"decision_s": 0.0}, "net": {"transport": "tcp"}})
+    st, tl, _ = _run(FakeSetup(cl, sh, dep, Fixed({0: 0}, agg=1), [Req(0, 0.0)], {0: [((0,),)]},
+                               spec=spec))
+    assert st.tcp_waits == 0
