@@ -3,7 +3,12 @@
 ``python -m testbed capacity SPEC --router R`` searches the arrival rate on the
 simulator: doubling up from ``lo`` until the SLA share falls below the target,
 then bisecting (geometrically) between the last load that met it and the
-first that did not, to ``rel_tol``. Every probe is a complete run folder under
+first that did not, to ``rel_tol``. Latency need not grow with load: under TCP's
+idle decay (``net.transport: tcp``) a light load finds every connection cold and
+a busier one keeps them warm, so where ``lo`` misses the search keeps doubling
+until a load meets the SLA (then goes on as above; the loads below that missed are
+kept in ``missed_below``) or a probe's queues grow (``unstable``: more load cannot
+help) or ``hi`` is passed; only then is the capacity 0. Every probe is a complete run folder under
 ``results/capacity/<spec>-<physics>-sla<ms>/<router>/rate=<r>/`` and is reused when its
 resolved spec is unchanged, so a second search, or a killed one, costs only what is new.
 The SLA share counts failed requests as misses (``metrics.sla_ratio``). The answer is
@@ -41,6 +46,7 @@ class Capacity:
     capacity_rps: float = 0.0  # 0.0: not even ``lo`` meets the SLA
     probes: list[tuple[float, float, bool]] = field(default_factory=list)  # (rate, sla, unstable)
     bounded: bool = True  # False: ``hi`` still met the SLA
+    missed_below: list[float] = field(default_factory=list)  # lighter loads that missed
 
 
 def _probe(spec: ExperimentSpec, rate: float, root: Path, cache: Path) -> dict:
@@ -66,6 +72,7 @@ def find_capacity(spec: ExperimentSpec, router: str, results: Path = Path("resul
     cap = Capacity(router, spec.sla_s, target, spec.physics, setting_key(spec), spec.name,
                    spec.workload.duration_s, lo, hi)
     _search(cap, spec, root, cache, rel_tol, log)
+    root.mkdir(parents=True, exist_ok=True)
     (root / "capacity.json").write_text(json.dumps(asdict(cap), indent=1))
     return cap
 
@@ -81,9 +88,14 @@ def _search(cap: Capacity, spec: ExperimentSpec, root: Path, cache: Path, rel_to
             + (" (unstable)" if m.get("unstable") else ""))
         return sla >= target
 
-    if not ok(lo):
-        return
-    good, bad = lo, None
+    good = lo
+    while not ok(good):
+        cap.missed_below.append(good)
+        if cap.probes[-1][2] or good * 2 > hi:  # overloaded, or nothing left to try
+            cap.missed_below = []
+            return
+        good *= 2
+    bad = None
     while bad is None:
         nxt = good * 2
         if nxt > hi:
@@ -137,8 +149,14 @@ def read_capacities(results: Path, spec: ExperimentSpec) -> dict[str, dict]:
 def describe(c: dict) -> str:
     """One phrase: the capacity in req/s, with its search's bounds."""
     if not c["capacity_rps"]:
+        tried = [p[0] for p in c.get("probes", [])]
+        if len(tried) > 1:
+            return f"0 (every load tried misses: {', '.join(f'{r:g}' for r in tried)} req/s)"
         return f"0 ({c['lo']:g} req/s already misses)"
-    return f"{c['capacity_rps']:.3g} req/s" + ("" if c["bounded"] else f" or more ({c['hi']:g} met it)")
+    below = c.get("missed_below") or []
+    return (f"{c['capacity_rps']:.3g} req/s"
+            + ("" if c["bounded"] else f" or more ({c['hi']:g} met it)")
+            + (f"; lighter loads miss ({', '.join(f'{r:g}' for r in below)} req/s)" if below else ""))
 
 
 def criterion(c: dict) -> str:

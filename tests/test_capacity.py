@@ -71,3 +71,27 @@ def test_read_capacities_keeps_the_setting_and_the_newest_search(tmp_path):
     assert sorted(got) == ["hetroute", "petals"] and got["petals"]["capacity_rps"] == 2.5
     assert describe(got["petals"]) == "2.5 req/s" and criterion(got["petals"]) == "90% within 200 ms"
     assert describe(got["hetroute"]) == "0 (1 req/s already misses)"
+
+
+@pytest.mark.parametrize("curve, capacity, missed", [
+    # SLA share by load: light loads miss (cold TCP connections), 4-16 meet it, 32 misses
+    ({1: 0.5, 2: 0.8, 4: 0.95, 8: 0.97, 16: 0.92, 32: 0.2}, 16.0, [1.0, 2.0]),
+    # misses everywhere until the queues grow: 0, after trying upwards
+    ({1: 0.5, 2: 0.4, 4: 0.1}, 0.0, []),
+])
+def test_capacity_looks_past_a_light_load_that_misses(tmp_path, monkeypatch, curve, capacity, missed):
+    """Latency need not grow with load (TCP's idle decay makes light loads slow), so a
+    miss at ``lo`` is not the answer while heavier loads are stable; a probe whose queues
+    grow ends the search upwards."""
+    import testbed.capacity as C
+
+    def probe(spec, rate, root, cache):
+        return {"sla_ratio": curve.get(rate, 0.0), "unstable": rate >= 4 and curve.get(rate, 0) < 0.9}
+    monkeypatch.setattr(C, "_probe", probe)
+    c = find_capacity(parse_spec(SPEC), "edgeshard", tmp_path, lo=1.0, hi=64.0, rel_tol=0.99,
+                      log=lambda s: None)
+    assert c.capacity_rps == capacity and c.missed_below == missed
+    text = describe(vars(c))
+    assert ("lighter loads miss (1, 2 req/s)" in text) == bool(missed)
+    if not capacity:
+        assert text == "0 (every load tried misses: 1, 2, 4 req/s)"

@@ -4,7 +4,10 @@ Resources (as in SimPy's link-as-resource style, but without per-event cost):
 - each directed link is a FIFO server: a message starts when the link is free,
   occupies it for size / (bandwidth * payload efficiency), and arrives one
   propagation delay later. Sends happen in event-time order, so the FIFO can
-  be computed in closed form from the link's next-free time;
+  be computed in closed form from the link's next-free time. Under
+  ``net.transport: tcp`` (hardware world) a message larger than its
+  connection's congestion window also waits a round trip per window
+  (``testbed/tcp.py``), and the link's next-free time includes the wait;
 - each server has one GPU stream run by the step scheduler
   (``testbed/steps.py``, the same rule the emulated workers follow);
 - each server has one CPU that makes routing decisions one at a time; a
