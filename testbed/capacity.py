@@ -155,7 +155,7 @@ def describe(c: dict) -> str:
         return f"0 ({c['lo']:g} req/s already misses)"
     below = c.get("missed_below") or []
     return (f"{c['capacity_rps']:.3g} req/s"
-            + ("" if c["bounded"] else f" or more ({c['hi']:g} met it)")
+            + ("" if c["bounded"] else f" or more (the search stops below {c['hi']:g})")
             + (f"; lighter loads miss ({', '.join(f'{r:g}' for r in below)} req/s)" if below else ""))
 
 

@@ -81,8 +81,8 @@ class TcpWindow:
         self.limit = (rtt_s + self.seg_s) / self.seg_s if self.seg_s > 0 else 0.0
 
     def wait(self, start_s: float, nbytes: int, tx_s: float) -> float:
-        """Seconds the message waits for ACKs beyond its ``tx_s`` of transmission,
-        and the window after it (state is updated)."""
+        """Seconds a message of ``nbytes`` starting at ``start_s`` waits for ACKs beyond
+        its ``tx_s`` of transmission; the window and the idle clock move on with it."""
         p = self.p
         if self.last_end is not None and p.idle_decay:
             idle = start_s - self.last_end

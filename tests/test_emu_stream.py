@@ -390,3 +390,75 @@ def test_a_step_does_not_wait_for_an_older_requests_job_still_on_its_way():
     assert [tok for tok, _ in done] == ["newer", "older"]
     assert done[0][1] == pytest.approx(t + COMP, abs=1e-9)
     assert done[1][1] == pytest.approx(t + 3 * COMP, abs=1e-9)
+
+
+def test_a_senders_frames_carry_the_simulators_window_wait_and_the_receiver_adds_it():
+    # net.transport: tcp with the transport delay line: the kernel's own TCP sees no round
+    # trip, so the sender models its window as the simulator does and each data frame
+    # carries the wait (hold_s); a dispatch group is one message whose frames share it
+    from testbed.emu.node.peers import Peers
+    from testbed.emu.transport import Transport
+    from testbed.emu.wire import Frame, Hidden, Pick, Pong, decode, encode, tensor_frame
+    from testbed.tcp import TcpParams, hold_clocks, windows
+
+    bw = [[0.0, 1e9], [1e9, 0.0]]
+    delay = [[0.0, 5e-3], [5e-3, 0.0]]
+    msg = 100_000  # one hidden state's wire bytes: 70 segments, past the initial window
+    sent = []
+
+    class Net:
+        sent_frames = {1: 0}
+
+        def send(self, dst, frame):
+            sent.append(frame)
+            return True
+
+    class Node(Peers):
+        N, rank, T, t0, stopping = 2, 0, T, time.monotonic(), False
+        net = Net()
+        reachable = [True, True]
+
+    node = Node()
+    node.stats = {"frames_out": 0}
+    node._init_peers()
+    node.holds = hold_clocks(TcpParams(), bw, delay, 1.0, 0, msg)
+
+    def hidden(token, group, n):
+        m = Hidden(0, 9, token, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), (),
+                   group=group, group_n=n)
+        return tensor_frame(m, torch.zeros(4))
+
+    for token in range(3):  # one group of three frames sent at t = 0
+        assert node._send(1, hidden(token, 7, 3), at=0.0)
+    assert node._send(1, hidden(3, 0, 1), at=0.001)  # then one frame on its own
+    assert node._send(1, tensor_frame(hidden(4, 0, 1).msg, torch.zeros(4)))  # no model time
+    # the simulator's window for the same link and messages
+    w = windows(TcpParams(), bw, delay, 1.0)[0][1]
+    tx = msg / 1e9
+    wait = w.wait(0.0, 3 * msg, 3 * tx)
+    assert wait > 0
+    assert [f.msg.hold_s for f in sent[:3]] == pytest.approx([wait] * 3)
+    later = w.wait(3 * tx + wait, msg, tx)  # queued behind the group on the windowed link
+    # its last byte leaves at 3 tx + wait + tx + later there, at 0.001 + tx on the ideal link
+    assert sent[3].msg.hold_s == pytest.approx(3 * tx + wait + later - 0.001)
+    assert sent[4].msg.hold_s == 0.0  # without a model time nothing is modeled
+    assert node.stats["tcp_waits"] == 2  # the group's wait counted once
+    assert decode(encode(sent[0])).msg.hold_s == sent[0].msg.hold_s  # it survives the wire
+
+    # the receiver's delay line adds T x hold to the link's delay; a PING has no hold
+    got = []
+    loop = precise_loop()
+    net = Transport(1, 0, {}, [0.002, 0.0], lambda f, a: got.append((f.msg, a)),
+                    lambda p, why: None, b"s" * 16, hold_scale=T)
+
+    async def go():
+        t = time.monotonic()
+        net.deliver(sent[0], 0, t)
+        net.deliver(Frame(Pong(0, 0, 0.0)), 0, t)
+        await asyncio.sleep(0.002 + T * sent[0].msg.hold_s + 0.05)
+        return t
+    t = loop.run_until_complete(go())
+    loop.close()
+    arrivals = {type(m).__name__: a for m, a in got}
+    assert arrivals["Pong"] == pytest.approx(t + 0.002)
+    assert arrivals["Hidden"] == pytest.approx(t + 0.002 + T * sent[0].msg.hold_s)

@@ -108,6 +108,8 @@ class EmuBackend:
         stats.update(self._reconcile())
         stats["workers"] = [json.loads(f.read_text()) for f in sorted(wdir.glob("w*.json"))
                             if not f.name.endswith("config.json")]
+        for key in ("tcp_waits", "tcp_wait_s"):  # net.transport: tcp, as the simulator's
+            stats[key] = sum(w.get(key, 0) for w in stats["workers"])
         fid = fidelity_summary(stats)
         stats["fidelity_flags"] = fid["flags"]
         (out / "fidelity.json").write_text(json.dumps({**fid, "detail": stats}, indent=1, default=str))

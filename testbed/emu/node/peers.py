@@ -91,6 +91,7 @@ class Peers:
         whole group, computed at its first frame."""
         m = frame.msg
         n = getattr(m, "group_n", 1)
+        got = None
         if n > 1:
             key = (dst, type(m), m.group)
             got = self._group_holds.pop(key, None)
@@ -101,6 +102,9 @@ class Peers:
             hold = self.holds[dst].hold(at)
         if hold <= 0.0:
             return frame
+        if got is None:  # a message's wait, counted once (as the simulator's tcp_waits)
+            self.stats["tcp_waits"] = self.stats.get("tcp_waits", 0) + 1
+            self.stats["tcp_wait_s"] = self.stats.get("tcp_wait_s", 0.0) + hold
         return Frame(replace(m, hold_s=hold), frame.payload, frame.pad_len)
 
     def _acked(self, src: int, received: tuple[int, ...]) -> None:
