@@ -14,7 +14,8 @@ workers hold one per peer), on data messages only:
 
 - **Initial window** ``init_cwnd`` segments of ``mss`` payload bytes: 10
   (RFC 6928, Linux's default since 2.6.39).
-- **Slow start** (RFC 5681 Sec. 3.1): a window-limited flight of ``w``
+- **Slow start** (RFC 5681 Sec. 3.1) over the byte stream (messages queued
+  behind each other are one burst): a window-limited flight of ``w``
   segments takes one round trip plus a segment's transmission and grows the
   window by ``w`` (one segment per ACKed segment; Linux counts ACKed segments,
   so delayed ACKs do not slow it). Without losses ``ssthresh`` keeps its initial
@@ -66,9 +67,14 @@ class TcpParams:
 
 class TcpWindow:
     """One direction of one connection. ``wait`` is called in send order, with the
-    time its message starts to leave (after the messages before it on the link)."""
+    time its message starts to leave (after the messages before it on the link).
 
-    __slots__ = ("p", "rtt", "seg_s", "rto", "cwnd", "last_end", "limit")
+    The window applies to the byte stream, not to messages: a message queued behind
+    the one before it (``queued``: the connection was still sending, or waiting for
+    ACKs, when it came) continues that burst's slow start, so 36 one-token messages
+    written at once wait as one 36-token message would."""
+
+    __slots__ = ("p", "rtt", "seg_s", "rto", "cwnd", "last_end", "limit", "w0", "pos")
 
     def __init__(self, params: TcpParams, rtt_s: float, bytes_per_s: float) -> None:
         self.p = params
@@ -79,37 +85,54 @@ class TcpWindow:
         self.last_end: float | None = None  # when the last data message's last byte left
         #: a flight of at least this many segments fills the pipe (no ACK wait)
         self.limit = (rtt_s + self.seg_s) / self.seg_s if self.seg_s > 0 else 0.0
+        self.w0 = self.cwnd  # the window the current burst started with
+        self.pos = 0  # segments of the current burst so far
 
-    def wait(self, start_s: float, nbytes: int, tx_s: float) -> float:
+    def wait(self, start_s: float, nbytes: int, tx_s: float, queued: bool = False) -> float:
         """Seconds a message of ``nbytes`` starting at ``start_s`` waits for ACKs beyond
         its ``tx_s`` of transmission; the window and the idle clock move on with it."""
-        p = self.p
-        if self.last_end is not None and p.idle_decay:
-            idle = start_s - self.last_end
-            if idle > self.rto:
-                halvings = min(int(idle / self.rto), 60)
-                self.cwnd = max(float(p.init_cwnd), self.cwnd / (2.0 ** halvings))
-        segs = ceil(nbytes / p.mss) if nbytes > 0 else 0
-        extra = 0.0
-        cwnd = self.cwnd
-        limit = self.limit
-        while segs > 0:
-            if cwnd >= limit:  # the window fills the pipe: the rest flows at line rate
-                cwnd += segs
-                break
-            w = int(cwnd)
-            if segs <= w:  # the last flight: no ACK to wait for
-                if extra or 2 * segs >= cwnd:
-                    cwnd += segs
-                break
-            segs -= w
-            # the flight's w segments are part of tx_s; the round trip of its first
-            # segment's ACK is not
-            extra += self.rtt + self.seg_s - w * self.seg_s
-            cwnd += w  # slow start: a segment per segment ACKed
-        self.cwnd = cwnd
+        if not queued or self.last_end is None:  # the connection was idle: a new burst
+            if self.last_end is not None and self.p.idle_decay:
+                idle = start_s - self.last_end
+                if idle > self.rto:
+                    halvings = min(int(idle / self.rto), 60)
+                    self.cwnd = max(float(self.p.init_cwnd), self.cwnd / (2.0 ** halvings))
+            self.w0, self.pos = self.cwnd, 0
+        segs = ceil(nbytes / self.p.mss) if nbytes > 0 else 0
+        before = self.pos
+        self.pos += segs
+        extra = self._waited(self.pos) - self._waited(before) if self.w0 < self.limit else 0.0
+        self.cwnd = self._window(self.pos)
         self.last_end = start_s + tx_s + extra
         return extra
+
+    def _waited(self, segs: int) -> float:
+        """ACK waits before the burst's first ``segs`` segments have left: each
+        window-limited flight takes a round trip plus a segment's transmission, of
+        which its own segments' transmission is part of the line-rate time."""
+        t, sent, w = 0.0, 0, self.w0
+        while sent < segs and w < self.limit:
+            f = int(w)
+            if segs <= sent + f:  # in this flight: no ACK to wait for
+                break
+            sent += f
+            t += self.rtt + self.seg_s - f * self.seg_s
+            w += f  # slow start: a segment per segment ACKed
+        return t
+
+    def _window(self, segs: int) -> float:
+        """The window once the burst's first ``segs`` segments are ACKed."""
+        sent, w, waited = 0, self.w0, False
+        while sent < segs:
+            f = int(w)
+            if w >= self.limit or segs <= sent + f:  # the pipe is full, or the last flight
+                if w >= self.limit or waited or 2 * (segs - sent) >= w:
+                    w += segs - sent
+                break
+            sent += f
+            w += f
+            waited = True
+        return w
 
 
 def windows(params: TcpParams, bandwidth, delay, efficiency: float) -> list[list[TcpWindow | None]]:
@@ -143,8 +166,9 @@ class HoldClock:
         tx = self.tx_s * count
         start = self.ideal_free if self.ideal_free > t else t
         self.ideal_free = start + tx
-        start = self.free if self.free > t else t
-        self.free = start + tx + self.window.wait(start, self.msg_bytes * count, tx)
+        queued = self.free > t
+        start = self.free if queued else t
+        self.free = start + tx + self.window.wait(start, self.msg_bytes * count, tx, queued)
         return max(0.0, self.free - self.ideal_free)
 
 

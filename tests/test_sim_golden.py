@@ -43,7 +43,7 @@ GOLDEN = {
 #: ideal links (``net.transport: ideal``, the default until 2026-11-26). ``STEP_TCP`` is the
 #: step rule's with TCP's window (``testbed/tcp.py``).
 STEP = "94cab10c4e931cbb144436501add0770cbee42ec7f135b942448e1a19c792333"
-STEP_TCP = "72e2c6444b5c1f03bef0a2ae41a561b7b26f767d93f95a3e872737a8205f15ad"
+STEP_TCP = "ce39323dde50f3e0320e27f558a6a6fe150d6df8029141d11399aff927e534de"
 
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
         "engine": {"decision_s": 0, "dispatch": "token"},

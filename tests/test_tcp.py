@@ -55,6 +55,24 @@ def test_idle_halves_the_window_per_timeout_never_below_the_initial_window():
     assert w.cwnd == 10
 
 
+def test_messages_queued_behind_each_other_are_one_burst():
+    """36 one-token messages written at once wait as one 36-token message: the window
+    is the byte stream's, not each message's."""
+    seg = MSS / RATE
+    one = _window()
+    whole = one.wait(0.0, 36 * 6 * MSS, 36 * 6 * seg)
+    parts = _window()
+    t, total = 0.0, 0.0
+    for i in range(36):
+        total += parts.wait(t, 6 * MSS, 6 * seg, queued=i > 0)
+        t = parts.last_end
+    assert whole > 0 and total == pytest.approx(whole)
+    assert parts.cwnd == pytest.approx(one.cwnd)
+    # each on an idle connection instead: every one fits the window and nothing waits
+    alone = _window(idle_decay=False)
+    assert sum(alone.wait(1.0 * i, 6 * MSS, 6 * seg) for i in range(36)) == 0.0
+
+
 def test_without_idle_decay_a_warm_window_stays_warm():
     w = _window(idle_decay=False)
     seg = MSS / RATE
@@ -93,7 +111,7 @@ def test_the_emulators_hold_is_the_simulators_extra_delay():
     for t, count in ((0.0, 36), (0.0001, 36), (0.3, 1), (0.9, 72), (0.9, 5)):
         tx = tx1 * count
         start = max(t, free)
-        free = start + tx + sim.wait(start, msg * count, tx)
+        free = start + tx + sim.wait(start, msg * count, tx, queued=free > t)
         istart = max(t, ideal_free)
         ideal_free = istart + tx
         assert clock.hold(t, count) == pytest.approx(free - ideal_free)

@@ -223,12 +223,13 @@ class SimBackend:
         """Arrival time at n of ``count`` hidden states sent from m at t as one message
         (FIFO link), plus ``sim.hop_jitter_s``'s draw where it is set."""
         free = self.link_free[m]
-        start = free[n] if free[n] > t else t
+        queued = free[n] > t
+        start = free[n] if queued else t
         tx = self.tx[m][n] * count
         end = start + tx
         if self.tcp is not None:
             w = self.tcp[m][n]
-            wait = w.wait(start, self.msg_wire * count, tx)
+            wait = w.wait(start, self.msg_wire * count, tx, queued)
             if wait:
                 end += wait
                 self.stats.tcp_wait_s += wait

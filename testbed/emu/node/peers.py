@@ -65,18 +65,23 @@ class Peers:
         self._check_timeouts()
         self.loop.call_at(self.wall((window + 1) * self.window), self._tick, window + 1)
 
-    def _send(self, dst: int, frame: Frame, resolve=None, at: float | None = None) -> bool:
+    def _send(self, dst: int, frame: Frame, resolve=None, at: float | None = None,
+              modeled: bool = True) -> bool:
         """Send ``frame``; ``resolve(dst)`` runs if ``dst`` is lost before acknowledging it.
         ``at`` is the model time the frame is sent: a frame to this server itself arrives
         then (no link to cross), not when the event loop got round to sending it, so the
-        worker's own Python time does not move its jobs' arrival (as in the simulator)."""
+        worker's own Python time does not move its jobs' arrival (as in the simulator).
+        ``modeled=False``: a frame the simulator does not send (the hidden state for an
+        aggregator that runs none of the layer's experts, which a real participant would
+        fold into its partial): it takes no part in the congestion window."""
         if dst == self.rank:
             self.loop.call_soon(self._on_frame, frame,
                                 time.monotonic() if at is None else self.wall(at))
             return True
         if not self.reachable[dst]:  # lost: a cut link would swallow the frame without an error
             return False
-        if self.holds is not None and at is not None and isinstance(frame.msg, TENSOR_MESSAGES):
+        if (self.holds is not None and at is not None and modeled
+                and isinstance(frame.msg, TENSOR_MESSAGES)):
             frame = self._held(dst, frame, at)
         ok = self.net.send(dst, frame)
         if ok:

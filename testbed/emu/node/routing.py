@@ -197,7 +197,7 @@ class Routing:
         for n in sorted(set(participants) | {int(a.next_server)}):
             if group is not None:
                 frame = self._hidden_frame(replace(out, group=group[0], group_n=group[1][n]), h)
-            if not self._send(n, frame, lost, at=t_disp):
+            if not self._send(n, frame, lost, at=t_disp, modeled=n in routed.per_server):
                 self.relayered.add(key)  # retried below; what was sent of it is stale
                 self.view.alive[n] = False
                 self.view.faultless = False
