@@ -154,7 +154,7 @@ class NetSpec(_Model):
     """How a message crosses a link beyond rate and delay (``testbed/tcp.py``)."""
 
     #: ``tcp`` since 2026-11-26: Linux's defaults are what a deployment gets unless tuned, and
-    #: the window moves the hardware world's latencies by up to 1.8x at low load (README,
+    #: the window moves the hardware world's latencies by up to 2.3x at low load (README,
     #: "TCP's window"); ``ideal`` was the testbed's rule before and stays available
     transport: Literal["ideal", "tcp"] = Field(
         "tcp", description="'tcp': a message larger than its connection's congestion window "
@@ -229,6 +229,12 @@ class ExperimentSpec(_Model):
     net: NetSpec = NetSpec()
     emu: EmuSpec = EmuSpec()
     faults: list[FaultSpec] = Field(default_factory=list)
+
+    @property
+    def tcp_windows(self) -> bool:
+        """Whether messages wait for TCP's window (``net.transport: tcp``, hardware world
+        only: the paper's links are ideal), in either backend."""
+        return self.physics == "hardware" and self.net.transport == "tcp"
 
     def with_overrides(self, overrides: dict[str, Any]) -> "ExperimentSpec":
         """A copy with dotted-key overrides, e.g. {'workload.rate_per_s': 80}."""

@@ -101,7 +101,7 @@ class TcpWindow:
         segs = ceil(nbytes / self.p.mss) if nbytes > 0 else 0
         before = self.pos
         self.pos += segs
-        extra = self._waited(self.pos) - self._waited(before) if self.w0 < self.limit else 0.0
+        extra = self._waited(self.pos) - self._waited(before)
         self.cwnd = self._window(self.pos)
         self.last_end = start_s + tx_s + extra
         return extra
@@ -135,12 +135,16 @@ class TcpWindow:
         return w
 
 
+def window(params: TcpParams, bandwidth, delay, efficiency: float, m: int, n: int) -> TcpWindow:
+    """The window of the connection m -> n: round trip ``delay[m][n] + delay[n][m]``,
+    segments at ``bandwidth[m][n] * efficiency``."""
+    return TcpWindow(params, delay[m][n] + delay[n][m], bandwidth[m][n] * efficiency)
+
+
 def windows(params: TcpParams, bandwidth, delay, efficiency: float) -> list[list[TcpWindow | None]]:
-    """A window per directed pair of a cluster (``None`` on the diagonal): round trip
-    ``delay[m][n] + delay[n][m]``, segments at ``bandwidth[m][n] * efficiency``."""
+    """A window per directed pair of a cluster (``None`` on the diagonal)."""
     N = len(bandwidth)
-    return [[None if m == n else
-             TcpWindow(params, delay[m][n] + delay[n][m], bandwidth[m][n] * efficiency)
+    return [[None if m == n else window(params, bandwidth, delay, efficiency, m, n)
              for n in range(N)] for m in range(N)]
 
 
@@ -174,8 +178,8 @@ class HoldClock:
 
 def hold_clocks(params: TcpParams, bandwidth, delay, efficiency: float, src: int,
                 msg_bytes: int) -> dict[int, HoldClock]:
-    """Server ``src``'s sender side towards every peer, built as ``windows`` builds the
-    simulator's (same round trips, same segment times)."""
-    wins = windows(params, bandwidth, delay, efficiency)[src]
-    return {n: HoldClock(w, msg_bytes, msg_bytes / (bandwidth[src][n] * efficiency))
-            for n, w in enumerate(wins) if w is not None}
+    """Server ``src``'s sender side towards every peer, with the simulator's windows
+    (``window``: same round trips, same segment times)."""
+    return {n: HoldClock(window(params, bandwidth, delay, efficiency, src, n), msg_bytes,
+                         msg_bytes / (bandwidth[src][n] * efficiency))
+            for n in range(len(bandwidth)) if n != src}

@@ -124,7 +124,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         self.holds = (hold_clocks(spec.net.params(), s.cluster.bandwidth, s.cluster.delay,
                                   spec.sim.payload_efficiency, self.rank,
                                   sh.hidden_bytes + spec.sim.header_bytes)
-                      if self.hardware and spec.net.transport == "tcp" and any(cfg.delays_in)
+                      if spec.tcp_windows and any(cfg.delays_in)
                       else None)
         self.view = StateView(self.N)
         self.writer = RecordWriter(Path(cfg.run_dir), self.k, part_prefix=f"w{self.rank}-")

@@ -160,7 +160,7 @@ class SimBackend:
         self.link_free = [[0.0] * N for _ in range(N)]
         #: ``net.transport: tcp``: each directed pair's congestion window (testbed/tcp.py)
         self.tcp = (tcp_windows(spec.net.params(), cl.bandwidth, cl.delay, eff)
-                    if spec.physics == "hardware" and spec.net.transport == "tcp" else None)
+                    if spec.tcp_windows else None)
         self.msg_wire = msg
         self.core = core = TokenLayerCore(setup.router, setup.deployment, cl, shape, spec.physics,
                                           setup.quality)
