@@ -13,6 +13,12 @@ mean and P99 over all their measured requests together. A run of ten requests is
 chaotic system whose mean moves by several percent when a step boundary moves (see the
 README's "Dispatch" and "Emulator against simulator"); pooling seeds is what makes a 5%
 check mean something for a router whose decisions depend on the state it sees.
+
+An emulated run stops at its drain cap (``emu.max_drain_s``) and records the requests still
+in flight as failed; the simulator runs every request home. Both checks therefore cut the
+simulator's records where the emulated run of the same seed stopped (``cut_records``), so
+the two sides measure the same requests. ``agree-sweep`` (below) checks every point of an
+emulated sweep against the simulator on the point's own resolved spec.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ import pandas as pd
 from .metrics import measured
 from .records import read_records
 from .runner import is_done, run_experiment
-from .spec import ExperimentSpec
+from .spec import ExperimentSpec, load_spec
 
 TOL = {"emu/sim": (0.05, 0.10), "2T/T": (0.05, 0.10)}
+TOL_WORK = 0.05  # token-layers done by a drain cap's cut, where a run was cut
 
 
 @dataclass
@@ -43,6 +50,9 @@ class Comparison:
     ok_p99: bool
     seeds: int = 1
     requests: tuple[int, int] = (0, 0)  # measured requests that finished, per side
+    work: tuple[int, int] = (0, 0)  # token-layers done (by the cut, where a run was cut)
+    cut: bool = False  # an emulated run of these seeds reached its drain cap
+    ok_work: bool = True  # work within TOL_WORK (checked where a run was cut)
 
 
 @dataclass
@@ -51,6 +61,8 @@ class Side:
 
     latency_s: np.ndarray  # measured requests that finished
     dilation: float | None
+    cuts: list[float | None] | None = None  # per seed: where an emulated run stopped (drain cap)
+    work: int = 0  # token-layers done, summed over seeds
 
     @property
     def mean_ms(self) -> float:
@@ -61,35 +73,63 @@ class Side:
         return float(np.percentile(self.latency_s, 99) * 1e3) if self.latency_s.size else float("nan")
 
 
-def _run(spec: ExperimentSpec, out: Path) -> tuple[np.ndarray, float | None]:
+def _measure(tl: pd.DataFrame, rq: pd.DataFrame, cut_s: float | None, warmup_s: float,
+             duration_s: float) -> tuple[np.ndarray, int, int]:
+    """Latencies (s) of the measured requests home by ``cut_s``, how many requests the window
+    measures, and the token-layers done by ``cut_s`` (``cut_records``)."""
+    tl, rq = cut_records(tl, rq, cut_s)
+    win = measured(rq, warmup_s, duration_s) if not rq.empty else pd.DataFrame()
+    lat = win[win.status == "ok"].latency_s.to_numpy() if not win.empty else np.zeros(0)
+    return lat, len(win), int(len(tl))
+
+
+def _run(spec: ExperimentSpec, out: Path, cut_s: float | None = None
+         ) -> tuple[np.ndarray, float | None, float | None, int]:
+    """The measured requests' latencies (those home by ``cut_s``), the dilation, where this
+    run itself was cut (an emulated run that reached its drain cap), and the token-layers
+    done by ``cut_s``."""
     if not is_done(out, spec):
         run_experiment(spec, out, progress=True)
-    info = json.loads((out / "run.json").read_text())
-    _, rq = read_records(out)
-    w = spec.workload
-    win = measured(rq, w.warmup_s, w.duration_s) if not rq.empty else pd.DataFrame()
-    lat = win[win.status == "ok"].latency_s.to_numpy() if not win.empty else np.zeros(0)
-    return lat, info.get("stats", {}).get("dilation")
+    stats = json.loads((out / "run.json").read_text()).get("stats", {})
+    lat, _, work = _measure(*read_records(out), cut_s, spec.workload.warmup_s, spec.workload.duration_s)
+    return lat, stats.get("dilation"), _own_cut(stats), work
 
 
-def _side(spec: ExperimentSpec, seeds: int, out: Path, name: str) -> Side:
-    """Seed s of the spec in ``<name>`` (the spec's own seed) or ``<name>-seed<s>``."""
-    lats, dil = [], None
+def _own_cut(stats: dict) -> float | None:
+    """Where an emulated run stopped, in emulated seconds, if it reached its drain cap."""
+    return float(stats["emulated_s"]) if stats.get("timed_out") else None
+
+
+def _side(spec: ExperimentSpec, seeds: int, out: Path, name: str,
+          cuts: list[float | None] | None = None) -> Side:
+    """Seed s of the spec in ``<name>`` (the spec's own seed) or ``<name>-seed<s>``; seed k's
+    records cut at ``cuts[k]`` (where the other side's run of that seed stopped)."""
+    lats, dil, own, work = [], None, [], 0
     for k in range(seeds):
         s = spec if k == 0 else spec.with_overrides({"seed": spec.seed + k})
-        lat, d = _run(s, out / (name if k == 0 else f"{name}-seed{s.seed}"))
+        lat, d, c, n = _run(s, out / (name if k == 0 else f"{name}-seed{s.seed}"),
+                            cuts[k] if cuts else None)
         lats.append(lat)
+        own.append(c)
+        work += n
         dil = dil if dil is not None else d
-    return Side(np.concatenate(lats), dil)
+    return Side(np.concatenate(lats), dil, own, work)
 
 
 def _compare(kind: str, router: str, a: Side, b: Side, seeds: int) -> Comparison:
+    """``a`` against the reference ``b``. Where either side was cut at a drain cap, the
+    token-layers done by the cut must agree too (``TOL_WORK``); a side where no measured
+    request finished agrees on latency only with another such side."""
     tm, tp = TOL[kind]
+    na, nb = int(a.latency_s.size), int(b.latency_s.size)
     rel = lambda x, y: abs(x / y - 1)  # noqa: E731
+    ok_mean = rel(a.mean_ms, b.mean_ms) <= tm if na and nb else na == nb == 0
+    ok_p99 = rel(a.p99_ms, b.p99_ms) <= tp if na and nb else na == nb == 0
+    cut = any(c is not None for c in (a.cuts or []) + (b.cuts or []))
+    ok_work = not cut or (b.work > 0 and rel(a.work, b.work) <= TOL_WORK)
     return Comparison(kind, router, (a.mean_ms, b.mean_ms), (a.p99_ms, b.p99_ms),
-                      (a.dilation, b.dilation), rel(a.mean_ms, b.mean_ms) <= tm,
-                      rel(a.p99_ms, b.p99_ms) <= tp, seeds,
-                      (int(a.latency_s.size), int(b.latency_s.size)))
+                      (a.dilation, b.dilation), bool(ok_mean), bool(ok_p99), seeds, (na, nb),
+                      (a.work, b.work), cut, bool(ok_work))
 
 
 def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 1,
@@ -99,8 +139,9 @@ def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 
     rows = []
     for i, name in enumerate(routers):
         s = spec.with_overrides({"router.name": name})
-        sim = _side(s.with_overrides({"backend": "sim"}), seeds, out, f"sim-{name}")
         emu = _side(s.with_overrides({"backend": "emu"}), seeds, out, f"emu-{name}")
+        # the simulator runs every request home; cut it where each emulated run stopped
+        sim = _side(s.with_overrides({"backend": "sim"}), seeds, out, f"sim-{name}", emu.cuts)
         rows.append(_compare("emu/sim", name, emu, sim, seeds))
         if i == 0 and double_t and emu.dilation:
             emu2 = _side(s.with_overrides({"backend": "emu", "emu.dilation": 2 * emu.dilation}),
@@ -116,11 +157,115 @@ def format_rows(rows: list[Comparison]) -> str:
              f"{'T':>9} {'requests':>9}  ok"]
     for r in rows:
         tm, tp = TOL[r.kind]
+        cut = (f"; cut at a drain cap: token-layers done {r.work[0]}/{r.work[1]} "
+               f"{_ratio(*r.work):.3f}, tolerance {TOL_WORK:.0%}") if r.cut else ""
         lines.append(
             f"{r.kind:8} {r.router:14} {r.mean_ms[0]:8.1f}/{r.mean_ms[1]:8.1f} "
-            f"{r.mean_ms[0] / r.mean_ms[1]:6.3f} {r.p99_ms[0]:8.1f}/{r.p99_ms[1]:8.1f} "
-            f"{r.p99_ms[0] / r.p99_ms[1]:6.3f} {str(r.dilation[0] or '-'):>4}/{str(r.dilation[1] or '-'):<4} "
+            f"{_ratio(*r.mean_ms):6.3f} {r.p99_ms[0]:8.1f}/{r.p99_ms[1]:8.1f} "
+            f"{_ratio(*r.p99_ms):6.3f} {str(r.dilation[0] or '-'):>4}/{str(r.dilation[1] or '-'):<4} "
             f"{r.requests[0]:>4}/{r.requests[1]:<4} "
-            f"{'ok' if r.ok_mean and r.ok_p99 else 'NO'} (tolerance {tm:.0%} mean, {tp:.0%} P99"
-            f"{f'; {r.seeds} seeds pooled' if r.seeds > 1 else ''})")
+            f"{'ok' if r.ok_mean and r.ok_p99 and r.ok_work else 'NO'} (tolerance {tm:.0%} mean, "
+            f"{tp:.0%} P99{f'; {r.seeds} seeds pooled' if r.seeds > 1 else ''}{cut})")
+    return "\n".join(lines)
+
+
+# --- an emulated sweep against its simulated twins -------------------------------------------
+#
+# ``python -m testbed agree-sweep results/fig9/emu-quick`` runs, for every finished emulated
+# point of a sweep, the simulator on that point's own resolved spec (the same seed, loads,
+# decision constant; only ``backend`` differs), then compares the two. The emulator stops at a
+# drain cap (``emu.max_drain_s``); the simulator runs until every request is home. To compare
+# like with like, the simulator's records are cut where the emulated run stopped (its
+# ``emulated_s``): a request not home by then counts as unfinished on both sides, and a
+# token-layer counts as done only if it ended by then. Where a run was cut, the work done by
+# the cut (token-layers finished) is the quantity both backends must agree on, beside the
+# latency of the requests that finished.
+
+
+
+@dataclass
+class PointComparison:
+    point: str  # the sweep point's folder, e.g. name=edgeshard,rate_per_s=40/seed0
+    rate_per_s: float
+    cut_s: float | None  # emulated seconds at which the emulated run stopped, if it was cut
+    measured: int  # requests arriving in the measured window
+    check: Comparison  # emu (measured) against sim (reference), the sim cut at cut_s
+
+    @property
+    def ok(self) -> bool:
+        c = self.check
+        return c.ok_mean and c.ok_p99 and c.ok_work
+
+
+def cut_records(tl: pd.DataFrame, rq: pd.DataFrame, cut_s: float | None
+                ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The records as a run stopped at ``cut_s`` would have them: requests home later are
+    unfinished, token-layers that ended later are not done. ``None``: nothing is cut."""
+    if cut_s is None:
+        return tl, rq
+    rq = rq.copy()
+    late = (rq.status == "ok") & ~(rq.done_s <= cut_s)
+    rq.loc[late, "status"] = "failed"
+    if not tl.empty:
+        tl = tl[tl.t_start + tl.total_s <= cut_s]
+    return tl, rq
+
+
+def compare_point(router: str, emu: tuple[pd.DataFrame, pd.DataFrame],
+                  sim: tuple[pd.DataFrame, pd.DataFrame], cut_s: float | None, warmup_s: float,
+                  duration_s: float, dilation: float | None = None) -> tuple[int, Comparison]:
+    """How many requests the window measures, and the emulated records (as recorded) against
+    the simulated ones cut where the emulated run stopped."""
+    le, n, we = _measure(*emu, None, warmup_s, duration_s)
+    ls, _, ws = _measure(*sim, cut_s, warmup_s, duration_s)
+    cuts = [cut_s]
+    return n, _compare("emu/sim", router, Side(le, dilation, cuts, we), Side(ls, None, cuts, ws), 1)
+
+
+def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True) -> list[PointComparison]:
+    """Every complete emulated run under ``sweep_dir`` against the simulator on its own
+    resolved spec (runs under ``out`` mirror the sweep's folders; complete ones are reused)."""
+    runs = sorted(p.parent for p in Path(sweep_dir).glob("**/spec.resolved.yaml"))
+    rows = []
+    for run in runs:
+        info = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
+        if info.get("status") != "complete" or info.get("backend") != "emu":
+            continue
+        spec = load_spec(run / "spec.resolved.yaml")
+        twin = out / run.relative_to(sweep_dir)
+        sim_spec = spec.with_overrides({"backend": "sim"})
+        if not is_done(twin, sim_spec):
+            run_experiment(sim_spec, twin, progress=progress)
+        stats = info.get("stats", {})
+        cut, w = _own_cut(stats), spec.workload
+        n, check = compare_point(spec.router.name, read_records(run), read_records(twin), cut,
+                                 w.warmup_s, w.duration_s, stats.get("dilation"))
+        rows.append(PointComparison(str(run.relative_to(sweep_dir)), w.rate_per_s, cut, n, check))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "agreement.json").write_text(json.dumps(
+        [{**asdict(r), "ok": r.ok} for r in rows], indent=1))
+    return rows
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and b == b else float("nan")
+
+
+def format_points(rows: list[PointComparison]) -> str:
+    tm, tp = TOL["emu/sim"]
+    lines = [f"{'router':13} {'req/s':>5} {'T':>4} {'cut s':>5} {'finished':>10} {'mean ms (emu/sim)':>19} "
+             f"{'ratio':>6} {'P99 ms (emu/sim)':>19} {'ratio':>6} {'token-layers done':>17} {'ratio':>6}  ok"]
+    for r in rows:
+        c = r.check
+        lines.append(
+            f"{c.router:13} {r.rate_per_s:5g} {str(c.dilation[0] or '-'):>4} "
+            f"{'-' if r.cut_s is None else f'{r.cut_s:.2f}':>5} "
+            f"{f'{c.requests[0]}/{c.requests[1]} of {r.measured}':>10} "
+            f"{c.mean_ms[0]:9.1f}/{c.mean_ms[1]:9.1f} {_ratio(*c.mean_ms):6.3f} "
+            f"{c.p99_ms[0]:9.1f}/{c.p99_ms[1]:9.1f} {_ratio(*c.p99_ms):6.3f} "
+            f"{c.work[0]:8d}/{c.work[1]:<8d} {_ratio(*c.work):6.3f}  {'ok' if r.ok else 'NO'}")
+    lines.append(f"tolerances: mean {tm:.0%}, P99 {tp:.0%} (measured requests home by the cut), "
+                 f"token-layers done by the cut {TOL_WORK:.0%} (where a run was cut); 'cut s': the "
+                 f"emulated second at which the emulated run reached its drain cap (emu.max_drain_s), "
+                 f"where the simulator's records are cut too")
     return "\n".join(lines)

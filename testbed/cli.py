@@ -5,6 +5,7 @@ Errors in user input (spec, topology, overrides) print one line and exit 2.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -79,12 +80,15 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
                                            "own regime (Router.own_regime) there, as a "
                                            "reference row"),
             results: Path = typer.Option(Path("results"), help="results root whose capacity "
-                                         "searches (`testbed capacity`) are listed")) -> None:
-    """Run the same spec under several routers and print one table."""
+                                         "searches (`testbed capacity`) are listed"),
+            rerun: bool = typer.Option(False, help="run every router again, even where a "
+                                       "complete run of the same resolved spec exists")) -> None:
+    """Run the same spec under several routers and print one table (complete runs of the
+    same resolved spec are reused, as sweeps do)."""
     from hetroute.routers import get_router
     from topologies import TopologyError
 
-    from .runner import run_experiment
+    from .runner import is_done, run_experiment
     names = available() if routers == "all" else [r.strip() for r in routers.split(",") if r.strip()]
     rows = {}
     try:
@@ -95,13 +99,21 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
         if reference:
             runs += [(name, f"{name} (own regime)", f"{folder_of[name]}-own-regime", dict(regime))
                      for name in names if (regime := get_router(name).own_regime)]
+        reused = []
         for name, label, folder, regime in runs:
             s = base.with_overrides({"router.name": name, "name": f"{base.name}-{folder}", **regime})
+            if not rerun and is_done(root / folder, s):  # the same resolved spec ran to the end
+                rows[label] = json.loads((root / folder / "metrics.json").read_text())
+                reused.append(label)
+                continue
             rows[label] = run_experiment(s, root / folder, progress=not quiet,
                                          base_dir=Path(spec).parent).metrics
     except (SpecError, TopologyError, KeyError) as err:
         _fail(str(err).strip("'\""))
         return
+    if reused:
+        typer.echo(f"reused {len(reused)} complete run(s) of the same resolved spec under {root} "
+                   f"(--rerun runs them again): {', '.join(reused)}")
     typer.echo(format_table(rows))
     if decode := format_decode(rows):
         typer.echo(decode)
@@ -176,7 +188,6 @@ def fidelity(topology: str = typer.Argument(..., help="topology YAML (or a shipp
              out: Path | None = typer.Option(None, help="also write the table as JSON here")) -> None:
     """Check the emulated network against the topology; non-zero exit when out of tolerance."""
     import dataclasses
-    import json
 
     from topologies import TopologyError, load_topology
     from workloads import get_model
@@ -223,7 +234,29 @@ def agree(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
         _fail(str(err))
         return
     typer.echo(format_rows(rows))
-    if not all(r.ok_mean and r.ok_p99 for r in rows):
+    if not all(r.ok_mean and r.ok_p99 and r.ok_work for r in rows):
+        raise typer.Exit(1)
+
+
+@app.command("agree-sweep")
+def agree_sweep(sweep: Path = typer.Argument(..., help="an emulated sweep's folder, e.g. "
+                                           "results/fig9/emu-quick"),
+                out: Path = typer.Option(None, help="where the simulated twins go (default: "
+                                         "results/agreement-fig9-emu-quick for results/fig9/emu-quick)"),
+                quiet: bool = typer.Option(False, help="no progress bars")) -> None:
+    """Every emulated run of a sweep against the simulator on its own resolved spec, cut
+    where the emulated run stopped; non-zero exit when out of tolerance."""
+    from .agreement import format_points, sweep_agreement
+    if not sweep.is_dir():
+        _fail(f"sweep folder {sweep} does not exist")
+        return
+    out = out or sweep.parent.parent / f"agreement-{sweep.parent.name}-{sweep.name}"
+    rows = sweep_agreement(sweep, out, not quiet)
+    if not rows:
+        _fail(f"no complete emulated run under {sweep}")
+        return
+    typer.echo(format_points(rows))
+    if not all(r.ok for r in rows):
         raise typer.Exit(1)
 
 
@@ -304,7 +337,6 @@ def quality_replay(run: Path = typer.Argument(..., help="finished run folder"),
                    cache: Path | None = typer.Option(None, help="proxy weight cache (default: the "
                                                                  "proxy that made the trace)")) -> None:
     """Measured quality of a finished run on its proxy trace: writes quality_replay.csv and quality.json."""
-    import json
     import sys
 
     if not (run / "spec.resolved.yaml").exists():

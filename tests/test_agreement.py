@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from testbed.agreement import TOL, _compare, _side
+from testbed.agreement import TOL, _compare, _side, format_rows
 from testbed.runner import is_done
 from testbed.spec import parse_spec
 
@@ -35,3 +35,61 @@ def test_one_seed_is_the_runs_own_metrics_and_seeds_pool_their_requests(tmp_path
     row = _compare("emu/sim", "edgeshard", three, one, 3)
     assert row.requests == (three.latency_s.size, one.latency_s.size) and row.seeds == 3
     assert row.ok_mean == (abs(three.mean_ms / one.mean_ms - 1) <= TOL["emu/sim"][0])
+    assert not row.cut and row.ok_work  # nothing was cut: the work is not checked
+    assert format_rows([row]).splitlines()[1].split()[:2] == ["emu/sim", "edgeshard"]
+
+
+def _frames(done_s, ends):
+    import pandas as pd
+    rq = pd.DataFrame({"arrival_s": [0.2, 0.3, 0.4, 0.5], "done_s": done_s,
+                       "latency_s": [d - a for d, a in zip(done_s, [0.2, 0.3, 0.4, 0.5])],
+                       "status": ["ok"] * 4})
+    tl = pd.DataFrame({"t_start": [e - 0.01 for e in ends], "total_s": [0.01] * len(ends)})
+    return tl, rq
+
+
+def test_the_simulators_records_are_cut_where_the_emulated_run_stopped():
+    from testbed.agreement import compare_point, cut_records
+    sim = _frames([0.4, 0.6, 1.5, 2.5], [0.5, 0.9, 1.4, 2.4])
+    tl, rq = cut_records(*sim, 1.0)
+    assert list(rq.status) == ["ok", "ok", "failed", "failed"] and len(tl) == 2
+    assert cut_records(*sim, None)[1].status.eq("ok").all()  # not cut: unchanged
+    # the emulator finished the same two requests by its cut, 4% slower: within 5%
+    emu = _frames([0.408, 0.612, float("nan"), float("nan")], [0.5, 0.9])
+    emu[1].loc[2:, "status"] = "failed"
+    n, c = compare_point("r", emu, sim, 1.0, 0.0, 1.0)
+    assert n == 4 and c.requests == (2, 2) and c.work == (2, 2) and c.cut
+    assert c.ok_mean and c.ok_p99 and c.ok_work
+    assert c.mean_ms[1] == pytest.approx(250.0) and c.mean_ms[0] == pytest.approx(260.0)
+    # uncut, the simulator's slow requests would enter its mean and the check would fail
+    assert not compare_point("r", emu, sim, None, 0.0, 1.0)[1].ok_mean
+    # the emulator got through less work by its cut: the work check fails
+    short = (emu[0].iloc[:1], emu[1])
+    assert not compare_point("r", short, sim, 1.0, 0.0, 1.0)[1].ok_work
+
+
+def test_agree_sweep_runs_each_emulated_point_on_the_simulator(tmp_path):
+    """An emulated point stood in for by a simulated run relabelled ``emu``: its twin gives the
+    same records (every ratio 1), and a cut the stand-in did not make shows as lost work."""
+    import yaml
+
+    from testbed.agreement import format_points, sweep_agreement
+    from testbed.runner import run_experiment
+    point = tmp_path / "sweep" / "name=edgeshard" / "seed0"
+    run_experiment(parse_spec(SPEC), point, progress=False)
+    spec = yaml.safe_load((point / "spec.resolved.yaml").read_text())
+    (point / "spec.resolved.yaml").write_text(yaml.safe_dump({**spec, "backend": "emu"}, sort_keys=False))
+    info = json.loads((point / "run.json").read_text())
+    (point / "run.json").write_text(json.dumps({**info, "backend": "emu", "stats": {"dilation": 8.0}}))
+    (row,) = sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False)
+    assert is_done(tmp_path / "twins" / "name=edgeshard" / "seed0",
+                   parse_spec({**spec, "backend": "sim"}))
+    c = row.check
+    assert row.ok and c.mean_ms[0] == c.mean_ms[1] and c.work[0] == c.work[1] > 0
+    assert row.point == "name=edgeshard/seed0" and row.cut_s is None and c.router == "edgeshard"
+    (point / "run.json").write_text(json.dumps(
+        {**info, "backend": "emu", "stats": {"dilation": 8.0, "timed_out": True, "emulated_s": 0.3}}))
+    (row,) = sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False)
+    assert row.cut_s == 0.3 and row.check.work[1] < row.check.work[0] and not row.ok
+    line = format_points([row]).splitlines()[1]
+    assert line.split()[:4] == ["edgeshard", "10", "8.0", "0.30"] and line.endswith("NO")

@@ -46,3 +46,25 @@ def test_compare_names_an_unknown_router_in_one_line(tmp_path):
     r = CliRunner().invoke(app, ["compare", str(spec), "--routers", "no-such-router",
                                  "--out", str(tmp_path / "o"), "--quiet"])
     assert r.exit_code == 2 and "unknown router 'no-such-router'" in r.output
+
+
+def test_compare_reuses_complete_runs_of_the_same_spec_and_reruns_on_request(tmp_path):
+    spec = tmp_path / "cmp.yaml"
+    spec.write_text(SPEC)
+    out = tmp_path / "out"
+    args = ["compare", str(spec), "--routers", "edgeshard", "--out", str(out), "--quiet", "--no-reference"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "reused" not in first.output
+    stamp = (out / "edgeshard" / "run.json").stat().st_mtime_ns
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "reused 1 complete run(s)" in again.output
+    assert (out / "edgeshard" / "run.json").stat().st_mtime_ns == stamp
+    table = [ln for ln in first.output.splitlines() if ln.startswith("edgeshard ")]
+    assert table and table == [ln for ln in again.output.splitlines() if ln.startswith("edgeshard ")]
+    # --rerun runs the same spec again; another load is another spec: run, not reused
+    forced = CliRunner().invoke(app, args + ["--rerun"])
+    assert forced.exit_code == 0 and "reused" not in forced.output
+    assert (out / "edgeshard" / "run.json").stat().st_mtime_ns != stamp
+    other = CliRunner().invoke(app, args + ["--set", "workload.rate_per_s=6"])
+    assert other.exit_code == 0 and "reused" not in other.output
