@@ -101,6 +101,8 @@ class EmuBackend:
                         p.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         pass
+                if net.gso_unlimited:
+                    stats["gso_unlimited"] = list(net.gso_unlimited)
                 try:
                     stats["links"] = _link_table(net)
                 except Exception as err:  # noqa: BLE001 - never mask why the run ended
@@ -238,6 +240,10 @@ def fidelity_summary(stats: dict) -> dict:
             flags.append(f"drops on {row['intf']}: {row['drops']}")
         if row["tc_rate_bit"] and abs(row["tc_rate_bit"] / row["rate_bit"] - 1) > RATE_READBACK_REL:
             flags.append(f"{row['intf']}: tc rate {row['tc_rate_bit']} != configured {row['rate_bit']}")
+    if stats.get("gso_unlimited"):
+        flags.append(f"{len(stats['gso_unlimited'])} interfaces kept multi-segment packets "
+                     f"(`ip link set gso_max_segs 1` failed): a burst's first packet, up to 64 kB, "
+                     f"leaves ahead of the shaped rate")
     T = stats.get("dilation") or 1.0
     for w in stats.get("workers", []):
         if w.get("late_over_tolerance"):  # lateness is measured on the wall clock; / T is emulated

@@ -118,6 +118,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         self.step_dispatch = self.hardware and spec.engine.dispatch == "step"
         self.dense_s = self.core.world.dense_s(self.rank, 1)  # physics: paper (a delay)
         self.hidden_bytes = sh.hidden_bytes
+        #: one hidden state's message on the wire, as the simulator charges it
+        self.wire_bytes = sh.hidden_bytes + spec.sim.header_bytes
         #: ``net.transport: tcp`` with the transport delay line: this sender's window per
         #: peer, whose waits its data frames carry (``hold_s``); with netem the kernel's
         #: own TCP sees the delay and nothing is added

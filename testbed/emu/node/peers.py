@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..wire import (TENSOR_MESSAGES, Fail, Feedback, Frame, Hidden, Partial, State, Token,
-                    tensor_frame)
+                    encode_header, tensor_frame)
 
 SILENT_WINDOWS = 2  # a peer silent this many windows is lost (it sends STATE every window)
 
@@ -138,9 +138,15 @@ class Peers:
                 self._on_partial(f, last)
 
     def _hidden_frame(self, msg: Hidden | Partial | Token, t: torch.Tensor) -> Frame:
-        """Callers build ``msg`` with dtype FLOAT32 and shape (d,) so no copy of it is made;
-        the body is padded to the real model's hidden-state size."""
-        return tensor_frame(msg, t, pad_to=self.hidden_bytes)
+        """Callers build ``msg`` with dtype FLOAT32 and shape (d,) so no copy of it is made.
+        The frame is padded so that all of it on the wire (envelope, message fields, payload,
+        padding) is the simulator's message, the real model's hidden state plus
+        ``sim.header_bytes``; the emulator's own fields (~600 bytes) take the place of that
+        much padding, where they used to come on top (6.6% more bytes for Mixtral)."""
+        frame = tensor_frame(msg, t, pad_to=self.hidden_bytes)
+        head = len(encode_header(frame))
+        pad = self.wire_bytes - head - len(frame.payload)
+        return frame if pad == frame.pad_len else Frame(frame.msg, frame.payload, max(0, pad))
 
     def _on_frame(self, frame: Frame, arrival: float) -> None:
         if self.stopping:
