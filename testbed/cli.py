@@ -261,6 +261,41 @@ def agree_sweep(sweep: Path = typer.Argument(..., help="an emulated sweep's fold
 
 
 @app.command()
+def remetric(paths: list[Path] = typer.Argument(..., help="run folders, or folders holding "
+                                                "them (results/fig9, results/compare-hardware)"),
+             quiet: bool = typer.Option(False, help="only the summary line")) -> None:
+    """Recompute metrics.json of every complete run under PATHS from its records with this
+    code (sweeps, compare and capacity reuse complete runs: after a metric or flag changes,
+    this brings their tables and figures up to date without running them again)."""
+    from .runner import refresh_metrics
+    runs = sorted({f.parent for p in paths for f in
+                   ([p / "spec.resolved.yaml"] if (p / "spec.resolved.yaml").exists()
+                    else p.glob("**/spec.resolved.yaml"))})
+    if not runs:
+        _fail(f"no run folder under {', '.join(map(str, paths))}")
+        return
+    changed = flagged = skipped = 0
+    for run in runs:
+        before = (run / "metrics.json").read_text() if (run / "metrics.json").exists() else ""
+        try:
+            m = refresh_metrics(run)
+        except (SpecError, OSError, ValueError) as err:  # an old or foreign folder: say so, go on
+            typer.echo(f"skipped {run}: {err}", err=True)
+            skipped += 1
+            continue
+        if m is None:
+            skipped += 1
+            continue
+        now = (run / "metrics.json").read_text()
+        changed += now != before
+        flagged += bool(m.get("unstable"))
+        if not quiet and now != before:
+            typer.echo(f"{run}: unstable={m.get('unstable')} served={m.get('served_ratio')}")
+    typer.echo(f"{len(runs)} run folders: {changed} metrics.json rewritten, {flagged} flagged "
+               f"unstable, {skipped} skipped (not complete or unreadable)")
+
+
+@app.command()
 def capacity(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
              router: list[str] = typer.Option(..., help="router(s) to search"),
              set_: list[str] = typer.Option([], "--set", help="override, e.g. physics=paper"),

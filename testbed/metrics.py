@@ -32,6 +32,7 @@ HEADLINE = (
      "else prompt tokens of completed requests (throughput_counts)"),
     ("sla_ratio", "SLA satisfaction"),
     ("latency_trend", "latency of the last third of arrivals over the first"),
+    ("served_ratio", "requests home in the window's second half over those arriving in it"),
     ("mem_gpu_gb", "replica GB in GPU memory / the GPU budget"),
     ("mem_cpu_gb", "replica GB in CPU memory / the CPU budget"),
     ("mem_x_model", "replica bytes over the model's experts in FP16"),
@@ -66,7 +67,7 @@ def compute_metrics(tl: pd.DataFrame, rq: pd.DataFrame, warmup_s: float, duratio
     out["lam_mean"] = float(ok.lam_mean.mean()) if len(ok) else math.nan
     out["lam_max"] = float(ok.lam_max.max()) if len(ok) else math.nan
     out["budget_violations"] = int((ok.lam_max > budget * (1 + 1e-9) + 1e-12).sum())
-    out.update(stability(ok))
+    out.update(stability(ok, rq, warmup_s, duration_s))
     out.update(decode_metrics(ok, rq, warmup_s, duration_s))
     if decodes is None:
         decodes = "gen_done_s" in rq and bool(rq.gen_done_s.map(
@@ -156,17 +157,43 @@ def _is_list(v) -> bool:
 #: measured window wait this many times longer than those of the first third:
 #: its queues grow with the run's length, so its mean says how long it ran.
 UNSTABLE_TREND = 1.5
+#: ... or when fewer than this share of the requests arriving in the second half of
+#: the measured window were matched by requests getting home in it: the run served
+#: less than half its offered load there. Latency need not trend up when a run cannot
+#: keep up: a server that batches up to ``engine.max_batch_tokens`` takes a growing
+#: queue in ever larger steps, so later arrivals join bigger batches and wait about
+#: as long as earlier ones (EdgeShard on small3, Mixtral, 20 req/s for 3 s: 4% of the
+#: offered tokens served in the window, latency trend 0.75).
+UNSTABLE_SERVED = 0.5
+#: arrivals in the second half below which ``served_ratio`` says too little
+SERVED_MIN_ARRIVALS = 10
 
 
-def stability(ok: pd.DataFrame) -> dict:
-    """Latency trend over arrival time: last third of measured arrivals over the first."""
+def stability(ok: pd.DataFrame, rq: pd.DataFrame | None = None, warmup_s: float = 0.0,
+              duration_s: float = 0.0) -> dict:
+    """Latency trend over arrival time (last third of measured arrivals over the first)
+    and ``served_ratio``: requests home in the second half of the measured window over
+    those arriving in it (from every request row ``rq``; NaN below SERVED_MIN_ARRIVALS
+    arrivals). Either one beyond its bound flags the run ``unstable``. A run whose window
+    is shorter than its requests' latency (``window_x_latency`` < 1) can read unstable
+    by the second rule while its queues are still filling: it cannot show that they
+    stop growing."""
+    served = math.nan
+    if rq is not None and len(rq) and duration_s > warmup_s:
+        mid = (warmup_s + duration_s) / 2
+        arrived = int(((rq.arrival_s >= mid) & (rq.arrival_s < duration_s)).sum())
+        if arrived >= SERVED_MIN_ARRIVALS:
+            home = int(((rq.status == "ok") & (rq.done_s >= mid) & (rq.done_s < duration_s)).sum())
+            served = home / arrived
+    low = bool(served < UNSTABLE_SERVED)  # False for NaN
     if len(ok) < 6:
-        return {"latency_trend": math.nan, "unstable": False}
+        return {"latency_trend": math.nan, "served_ratio": served, "unstable": low}
     s = ok.sort_values("arrival_s")
     third = len(s) // 3
     first, last = s.latency_s.iloc[:third].mean(), s.latency_s.iloc[-third:].mean()
     trend = float(last / first) if first > 0 else math.nan
-    return {"latency_trend": trend, "unstable": bool(trend > UNSTABLE_TREND)}
+    return {"latency_trend": trend, "served_ratio": served,
+            "unstable": bool(trend > UNSTABLE_TREND) or low}
 
 
 def memory_use(deployment, shape, budget) -> dict:
@@ -196,8 +223,11 @@ def format_table(rows: dict[str, dict], keys=HEADLINE) -> str:
              "throughput_tok_s": "tok/s", "sla_ratio": "SLA", "latency_trend": "trend",
              "mem_gpu_gb": "GPU GB", "mem_cpu_gb": "CPU GB", "mem_x_model": "replicas",
              "ttft_ms": "TTFT ms", "ttft_p99_ms": "TTFT P99", "tpot_ms": "TPOT ms",
-             "gen_tok_s": "gen tok/s", "window_x_latency": "window/latency"}
+             "gen_tok_s": "gen tok/s", "window_x_latency": "window/latency",
+             "served_ratio": "served"}
     cols = [k for k, _ in keys]
+    # the flag goes after the stability columns: either rule may have raised it
+    flag_col = "served_ratio" if "served_ratio" in cols else "latency_trend"
     short["throughput_tok_s"] = tok_head = throughput_header(rows)
     head = ["router"] + [short.get(c, c) for c in cols]
     lines = [head]
@@ -205,14 +235,15 @@ def format_table(rows: dict[str, dict], keys=HEADLINE) -> str:
         cells = [label]
         for c in cols:
             v = met.get(c, math.nan)
+            flag = " UNSTABLE" if c == flag_col and met.get("unstable") else ""
             if isinstance(v, float) and math.isnan(v):
-                cells.append("-")
-            elif c in ("remote_ratio", "cpu_offload_ratio", "sla_ratio"):
-                cells.append(f"{100 * v:.1f}%")
+                cells.append("-" + flag)
+            elif c in ("remote_ratio", "cpu_offload_ratio", "sla_ratio", "served_ratio"):
+                cells.append(f"{100 * v:.1f}%" + flag)
             elif c == "gb_per_1k_tokens":
                 cells.append(f"{v:.3f}")
             elif c == "latency_trend":
-                cells.append(f"{v:.2f}" + (" UNSTABLE" if met.get("unstable") else ""))
+                cells.append(f"{v:.2f}" + flag)
             elif c in ("mem_gpu_gb", "mem_cpu_gb"):
                 budget = met.get(c.replace("mem_", "mem_budget_"), math.nan)
                 cells.append(f"{v:.0f}/{budget:.0f}")

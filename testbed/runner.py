@@ -148,6 +148,26 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
     return RunResult(spec, metrics, out_dir, info, setup if keep_setup else None, frames)
 
 
+def refresh_metrics(out_dir: Path) -> dict | None:
+    """Recompute a complete run's record-derived metrics with this code (``compute_metrics``
+    from its records and ``spec.resolved.yaml``) and rewrite ``metrics.json``, keeping what
+    the records do not give (memory use, measured quality). For results written before a
+    metric or a flag changed: sweeps, compare and capacity reuse complete runs as they are.
+    None where ``out_dir`` holds no complete run."""
+    if not (is_complete(out_dir) and (out_dir / "spec.resolved.yaml").exists()):
+        return None
+    from .spec import load_spec
+    spec = load_spec(out_dir / "spec.resolved.yaml")
+    tl, rq = read_records(out_dir)
+    w = spec.workload
+    old = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").exists() else {}
+    new = {**old, **compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s,
+                                    spec.quality.budget, decodes=w.gen_tokens > 0)}
+    if new != old:
+        write_json_atomic(out_dir / "metrics.json", new)
+    return new
+
+
 # The quality modules below are imported inside the functions that use them, not for
 # a hierarchy reason (testbed may import workloads): workloads.proxy imports torch
 # (about 1 s), which a run without measured quality should not pay.

@@ -141,8 +141,8 @@ class Peers:
         """Callers build ``msg`` with dtype FLOAT32 and shape (d,) so no copy of it is made.
         The frame is padded so that all of it on the wire (envelope, message fields, payload,
         padding) is the simulator's message, the real model's hidden state plus
-        ``sim.header_bytes``; the emulator's own fields (~600 bytes) take the place of that
-        much padding, where they used to come on top (6.6% more bytes for Mixtral)."""
+        ``sim.header_bytes``; the emulator's own fields (137 bytes and up) take the place
+        of that much padding, where they used to come on top of a padded hidden state."""
         frame = tensor_frame(msg, t, pad_to=self.hidden_bytes)
         head = len(encode_header(frame))
         pad = self.wire_bytes - head - len(frame.payload)
