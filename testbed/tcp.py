@@ -155,7 +155,7 @@ class HoldClock:
     message's hold is how much later its last byte leaves on the second: the
     simulator's arrival, reached by adding the hold to the real one."""
 
-    __slots__ = ("window", "msg_bytes", "tx_s", "free", "ideal_free")
+    __slots__ = ("window", "msg_bytes", "tx_s", "free", "ideal_free", "last_wait")
 
     def __init__(self, window: TcpWindow, msg_bytes: int, tx_s: float) -> None:
         self.window = window
@@ -163,6 +163,9 @@ class HoldClock:
         self.tx_s = tx_s  # its transmission time at line rate
         self.free = 0.0
         self.ideal_free = 0.0
+        #: the last message's own window wait (the simulator's ``tcp_wait_s`` counts these;
+        #: a hold also carries the lag earlier waits left on the connection)
+        self.last_wait = 0.0
 
     def hold(self, t: float, count: int = 1) -> float:
         """Emulated seconds to add to the arrival of ``count`` hidden states sent at ``t``
@@ -172,7 +175,8 @@ class HoldClock:
         self.ideal_free = start + tx
         queued = self.free > t
         start = self.free if queued else t
-        self.free = start + tx + self.window.wait(start, self.msg_bytes * count, tx, queued)
+        self.last_wait = self.window.wait(start, self.msg_bytes * count, tx, queued)
+        self.free = start + tx + self.last_wait
         return max(0.0, self.free - self.ideal_free)
 
 

@@ -97,19 +97,20 @@ class Peers:
         m = frame.msg
         n = getattr(m, "group_n", 1)
         got = None
+        clock = self.holds[dst]
         if n > 1:
             key = (dst, type(m), m.group)
             got = self._group_holds.pop(key, None)
-            hold, left = got if got is not None else (self.holds[dst].hold(at, n), n)
+            hold, left = got if got is not None else (clock.hold(at, n), n)
             if left > 1:
                 self._group_holds[key] = (hold, left - 1)
         else:
-            hold = self.holds[dst].hold(at)
+            hold = clock.hold(at)
+        if got is None and clock.last_wait > 0.0:  # a message's own window wait, counted once
+            self.stats["tcp_waits"] = self.stats.get("tcp_waits", 0) + 1  # (the simulator's count)
+            self.stats["tcp_wait_s"] = self.stats.get("tcp_wait_s", 0.0) + clock.last_wait
         if hold <= 0.0:
             return frame
-        if got is None:  # a message's wait, counted once (as the simulator's tcp_waits)
-            self.stats["tcp_waits"] = self.stats.get("tcp_waits", 0) + 1
-            self.stats["tcp_wait_s"] = self.stats.get("tcp_wait_s", 0.0) + hold
         return Frame(replace(m, hold_s=hold), frame.payload, frame.pad_len)
 
     def _acked(self, src: int, received: tuple[int, ...]) -> None:
