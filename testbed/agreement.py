@@ -54,6 +54,10 @@ class Comparison:
     cut: bool = False  # an emulated run of these seeds reached its drain cap
     ok_work: bool = True  # work within TOL_WORK (checked where a run was cut)
 
+    @property
+    def ok(self) -> bool:
+        return self.ok_mean and self.ok_p99 and self.ok_work
+
 
 @dataclass
 class Side:
@@ -164,23 +168,15 @@ def format_rows(rows: list[Comparison]) -> str:
             f"{_ratio(*r.mean_ms):6.3f} {r.p99_ms[0]:8.1f}/{r.p99_ms[1]:8.1f} "
             f"{_ratio(*r.p99_ms):6.3f} {str(r.dilation[0] or '-'):>4}/{str(r.dilation[1] or '-'):<4} "
             f"{r.requests[0]:>4}/{r.requests[1]:<4} "
-            f"{'ok' if r.ok_mean and r.ok_p99 and r.ok_work else 'NO'} (tolerance {tm:.0%} mean, "
+            f"{'ok' if r.ok else 'NO'} (tolerance {tm:.0%} mean, "
             f"{tp:.0%} P99{f'; {r.seeds} seeds pooled' if r.seeds > 1 else ''}{cut})")
     return "\n".join(lines)
 
 
-# --- an emulated sweep against its simulated twins -------------------------------------------
-#
-# ``python -m testbed agree-sweep results/fig9/emu-quick`` runs, for every finished emulated
-# point of a sweep, the simulator on that point's own resolved spec (the same seed, loads,
-# decision constant; only ``backend`` differs), then compares the two. The emulator stops at a
-# drain cap (``emu.max_drain_s``); the simulator runs until every request is home. To compare
-# like with like, the simulator's records are cut where the emulated run stopped (its
-# ``emulated_s``): a request not home by then counts as unfinished on both sides, and a
-# token-layer counts as done only if it ended by then. Where a run was cut, the work done by
-# the cut (token-layers finished) is the quantity both backends must agree on, beside the
-# latency of the requests that finished.
-
+# --- an emulated sweep against its simulated twins (``agree-sweep``) --------------------------
+# Each complete emulated point against the simulator on the point's own resolved spec (only
+# ``backend`` differs), cut as above; where a run was cut, the token-layers done by the cut
+# are checked beside the latency of the requests that finished.
 
 
 @dataclass
@@ -193,8 +189,7 @@ class PointComparison:
 
     @property
     def ok(self) -> bool:
-        c = self.check
-        return c.ok_mean and c.ok_p99 and c.ok_work
+        return self.check.ok
 
 
 def cut_records(tl: pd.DataFrame, rq: pd.DataFrame, cut_s: float | None

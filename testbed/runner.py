@@ -148,7 +148,7 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
     return RunResult(spec, metrics, out_dir, info, setup if keep_setup else None, frames)
 
 
-def refresh_metrics(out_dir: Path) -> dict | None:
+def refresh_metrics(out_dir: Path) -> tuple[dict, bool] | None:
     """Recompute a complete run's record-derived metrics with this code (``compute_metrics``
     from its records and ``spec.resolved.yaml``) and rewrite ``metrics.json``, keeping what
     the records do not give (memory use, measured quality). For results written before a
@@ -163,9 +163,10 @@ def refresh_metrics(out_dir: Path) -> dict | None:
     old = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").exists() else {}
     new = {**old, **compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s,
                                     spec.quality.budget, decodes=w.gen_tokens > 0)}
-    if new != old:
+    changed = json.dumps(new, sort_keys=True) != json.dumps(old, sort_keys=True)  # NaN != NaN
+    if changed:
         write_json_atomic(out_dir / "metrics.json", new)
-    return new
+    return new, changed
 
 
 # The quality modules below are imported inside the functions that use them, not for
