@@ -110,7 +110,7 @@ class EmuBackend:
         stats.update(self._reconcile())
         stats["workers"] = [json.loads(f.read_text()) for f in sorted(wdir.glob("w*.json"))
                             if not f.name.endswith("config.json")]
-        for key in ("tcp_waits", "tcp_wait_s"):  # net.transport: tcp, as the simulator's
+        for key in ("tcp_waits", "tcp_wait_s", "handler_errors"):  # summed over workers
             stats[key] = sum(w.get(key, 0) for w in stats["workers"])
         fid = fidelity_summary(stats)
         stats["fidelity_flags"] = fid["flags"]
@@ -253,6 +253,10 @@ def fidelity_summary(stats: dict) -> dict:
                          f"time = {p99 / T:.3f} ms emulated at T={T:g})")
         if w.get("wire_errors"):
             flags.append(f"w{w['rank']}: {w['wire_errors']} malformed frames")
+        if w.get("handler_errors") or w.get("kernel_errors"):
+            flags.append(f"w{w['rank']}: {w.get('handler_errors', 0)} frames or scheduled steps "
+                         f"raised, {w.get('kernel_errors', 0)} kernels raised (an emulator bug: "
+                         f"their tokens are lost; tracebacks in workers/w{w['rank']}.log)")
         if w.get("auth_failures") or w.get("spoofed_frames"):
             flags.append(f"w{w['rank']}: {w.get('auth_failures', 0)} connections refused "
                          f"(failed authentication), {w.get('spoofed_frames', 0)} spoofed frames dropped")

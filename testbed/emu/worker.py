@@ -131,7 +131,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         self.view = StateView(self.N)
         self.writer = RecordWriter(Path(cfg.run_dir), self.k, part_prefix=f"w{self.rank}-")
         self.stats = {"frames_out": 0, "token_layers": 0, "retries": 0, "failed_tokens": 0,
-                      "resolved_unacked": 0, "fails_relayed": 0, "feedback_unmatched": 0}
+                      "resolved_unacked": 0, "fails_relayed": 0, "feedback_unmatched": 0,
+                      "handler_errors": 0}
         self.stopping = False
         self._init_peers()
         self._init_routing()
@@ -151,6 +152,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         self.loop = loop
+        loop.set_exception_handler(self._callback_error)
         eng = self.spec.engine
         prec = [r.precision for r in self.dep.replicas]
         sched = StepScheduler(self.core.world, self.rank, prec.__getitem__, self.residency.is_gpu,
@@ -183,6 +185,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         self.cpu_at_start = time.process_time()
         # silence counts from the first window, when the first STATE frames are sent
         self.last_heard = [self.wall(self.window)] * self.N
+        # window 0 from the start, as the simulator's views (hetroute.state: -1 is "none yet")
+        self.view.refresh(0, 0.0, [0.0] * self.N, list(self.reachable))
         for rq in self.home_requests:
             loop.call_at(self.wall(rq.arrival_s), self._arrive, rq)
         loop.call_at(self.wall(self.window), self._tick, 1)
@@ -199,6 +203,12 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                       f"participations {list(self.parts)[:10]}; "
                       f"stream queue {[(r, len(j)) for r, j in self.stream.queue.items()][:10]}, "
                       f"busy {self.stream.busy}")
+
+    def _callback_error(self, loop, context: dict) -> None:
+        """A scheduled step (a decision, a dispatch, an arrival) raised: an emulator bug that
+        loses its token, counted as a frame handler's error is (``handler_errors``)."""
+        self.stats["handler_errors"] += 1
+        loop.default_exception_handler(context)
 
     def _log(self, msg: str) -> None:
         print(f"[w{self.rank}] {msg}", file=sys.stderr, flush=True)

@@ -132,11 +132,8 @@ class Peers:
             return
         del self.grouped[key]
         last = max(a for _, a in got)
-        for f, _ in got:
-            if isinstance(f.msg, Hidden):
-                self._on_hidden(f, last)
-            else:
-                self._on_partial(f, last)
+        for f, _ in got:  # each on its own: a frame that fails must not drop the rest
+            self._handle(f, last)
 
     def _hidden_frame(self, msg: Hidden | Partial | Token, t: torch.Tensor) -> Frame:
         """Callers build ``msg`` with dtype FLOAT32 and shape (d,) so no copy of it is made.
@@ -158,10 +155,18 @@ class Peers:
             if gap > self.max_gap[m.src]:
                 self.max_gap[m.src] = gap
             self.last_heard[m.src] = arrival
+        if isinstance(m, (Hidden, Partial)) and m.group_n > 1:
+            self._on_grouped(frame, arrival)
+        else:
+            self._handle(frame, arrival)
+
+    def _handle(self, frame: Frame, arrival: float) -> None:
+        """One frame's handler. An exception there is an emulator bug that loses the token
+        (a request then fails at the drain cap): it is counted (``handler_errors``, a
+        fidelity flag of the run) and logged with its traceback, and the server goes on."""
+        m = frame.msg
         try:
-            if isinstance(m, (Hidden, Partial)) and m.group_n > 1:
-                self._on_grouped(frame, arrival)
-            elif isinstance(m, Hidden):
+            if isinstance(m, Hidden):
                 self._on_hidden(frame, arrival)
             elif isinstance(m, Partial):
                 self._on_partial(frame, arrival)
@@ -176,4 +181,5 @@ class Peers:
             elif isinstance(m, Fail):
                 self._on_fail(m)
         except Exception:  # one bad token must not take the server down
-            self._log("error handling a frame:\n" + traceback.format_exc())
+            self.stats["handler_errors"] = self.stats.get("handler_errors", 0) + 1
+            self._log(f"error handling a {type(m).__name__} frame:\n" + traceback.format_exc())
