@@ -19,6 +19,11 @@ in flight as failed; the simulator runs every request home. Both checks therefor
 simulator's records where the emulated run of the same seed stopped (``cut_records``), so
 the two sides measure the same requests. ``agree-sweep`` (below) checks every point of an
 emulated sweep against the simulator on the point's own resolved spec.
+
+Both run the simulator with ``net.views: broadcast``: the emulator's views are its peers'
+STATE broadcasts, as they arrive, whatever the spec says, so the two sides are the same
+world (``SIM_TWIN``); the simulator's default (``instant``) is compared with it in the
+README's "Views travel".
 """
 
 from __future__ import annotations
@@ -104,6 +109,10 @@ def _own_cut(stats: dict) -> float | None:
     return float(stats["emulated_s"]) if stats.get("timed_out") else None
 
 
+#: what the simulator's side of an agreement check overrides: the emulator's view rule
+SIM_TWIN = {"backend": "sim", "net.views": "broadcast"}
+
+
 def _side(spec: ExperimentSpec, seeds: int, out: Path, name: str,
           cuts: list[float | None] | None = None) -> Side:
     """Seed s of the spec in ``<name>`` (the spec's own seed) or ``<name>-seed<s>``; seed k's
@@ -145,7 +154,7 @@ def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 
         s = spec.with_overrides({"router.name": name})
         emu = _side(s.with_overrides({"backend": "emu"}), seeds, out, f"emu-{name}")
         # the simulator runs every request home; cut it where each emulated run stopped
-        sim = _side(s.with_overrides({"backend": "sim"}), seeds, out, f"sim-{name}", emu.cuts)
+        sim = _side(s.with_overrides(SIM_TWIN), seeds, out, f"sim-{name}", emu.cuts)
         rows.append(_compare("emu/sim", name, emu, sim, seeds))
         if i == 0 and double_t and emu.dilation:
             emu2 = _side(s.with_overrides({"backend": "emu", "emu.dilation": 2 * emu.dilation}),
@@ -228,7 +237,7 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True) -> list[P
             continue
         spec = load_spec(run / "spec.resolved.yaml")
         twin = out / run.relative_to(sweep_dir)
-        sim_spec = spec.with_overrides({"backend": "sim"})
+        sim_spec = spec.with_overrides(SIM_TWIN)
         if not is_done(twin, sim_spec):
             run_experiment(sim_spec, twin, progress=progress)
         stats = info.get("stats", {})

@@ -169,6 +169,14 @@ class NetSpec(_Model):
                              "halves its window")
     idle_decay: bool = Field(True, description="net.ipv4.tcp_slow_start_after_idle (Linux "
                              "default 1)")
+    #: ``instant`` stays the default until the figures are regenerated under ``broadcast``,
+    #: the physical rule (README, "Views travel": it moves HetRoute's means by up to ~8%)
+    views: Literal["broadcast", "instant"] = Field(
+        "instant", description="'broadcast': at its window tick a server's view of a peer's "
+        "backlog is the peer's last window broadcast that crossed their link by then (the "
+        "emulator's STATE frames; one window old or more); 'instant': every view reads every "
+        "server's backlog at the tick (the paper's rule). Simulator, hardware physics only; "
+        "the emulator's views are always broadcasts")
 
     def params(self):
         from .tcp import TcpParams
@@ -235,6 +243,11 @@ class ExperimentSpec(_Model):
         """Whether messages wait for TCP's window (``net.transport: tcp``, hardware world
         only: the paper's links are ideal), in either backend."""
         return self.physics == "hardware" and self.net.transport == "tcp"
+
+    @property
+    def broadcast_views(self) -> bool:
+        """Whether the simulator's views lag by their links' broadcast (``net.views``)."""
+        return self.physics == "hardware" and self.net.views == "broadcast"
 
     def with_overrides(self, overrides: dict[str, Any]) -> "ExperimentSpec":
         """A copy with dotted-key overrides, e.g. {'workload.rate_per_s': 80}."""

@@ -12,6 +12,7 @@ from hetroute.routers.base import Router
 from hetroute.state import Assignment, Mode
 from hetroute.system import Cluster, Precision
 from testbed.records import RecordWriter
+from testbed.setup import build_setup
 from testbed.sim.backend import SimBackend
 from testbed.spec import parse_spec
 
@@ -239,3 +240,43 @@ def test_paper_world_charges_per_token_and_dense_outside_the_stream():
     assert tl.dense_s.tolist() == pytest.approx([sh.dense_flops / cl.flops[0]] * 3)  # a delay
     # the first arrival runs alone, the other two (2 and 4 us later over the FIFO link) batch
     assert sorted(tl.compute_s) == pytest.approx([comp, 3 * comp - 4e-6, 3 * comp - 2e-6])
+
+
+def test_broadcast_lag_is_the_windows_a_broadcast_needs_to_cross_its_link():
+    from testbed.sim.backend import broadcast_lags
+    B = 1.25e8  # 1 Gbit/s in bytes/s
+    delay = [[0.0, 0.005, 0.025], [0.045, 0.0, 0.0003], [0.0199, 0.02, 0.0]]
+    lags = broadcast_lags([[B] * 3] * 3, delay, 0.956, 64, 0.02)
+    # within a window: the tick before; 25 ms: two before; 45 ms: three; 19.9 ms and the
+    # 64-byte frame's 0.5 us stay inside one window, 20 ms and the frame's time do not
+    assert lags == [[0, 1, 2], [3, 0, 1], [1, 2, 0]]
+
+
+def test_broadcast_views_show_each_peer_as_its_last_broadcast_arrived():
+    """Server m's view at window k holds peer n's backlog of window k - lag[n][m] and its
+    own of window k; ``net.views: instant`` (the paper's rule) holds every server's of k."""
+    from hetroute.state import StateView
+    spec = {"name": "views", "topology": "asym5", "backend": "sim",
+            "workload": {"rate_per_s": 10, "duration_s": 0.5, "warmup_s": 0.0, "gen_tokens": 0,
+                         "calibration_tokens": 16}}
+    for views in ("broadcast", "instant"):
+        setup = build_setup(parse_spec({**spec, "net": {"views": views}}))
+        sim = SimBackend(setup, RecordWriter(None, setup.shape.top_k))
+        N, w = setup.cluster.n, sim.window
+        sim.pending_requests = 0  # no next window scheduled: the test ticks by hand
+        for n in range(N):  # server n's backlog at window j is 10 j + n
+            sim.sched[n].backlog = lambda t, n=n: 10 * round(t / w) + n
+        for k in range(1, 5):
+            sim.now = k * w
+            sim._window(None)
+        assert sim.snap_window == 4
+        for m in range(N):
+            v = StateView(N)
+            sim._refresh(v, m)
+            if views == "instant":
+                assert list(v.backlog) == [40 + n for n in range(N)]
+                continue
+            want = [10 * (4 - sim.view_lag[n][m]) + n for n in range(N)]
+            assert list(v.backlog) == want and v.backlog[m] == 40 + m
+        if views == "broadcast":  # no peer is seen as it is now
+            assert min(sim.view_lag[n][m] for n in range(N) for m in range(N) if n != m) >= 1

@@ -8,6 +8,10 @@ Checks, at dilation T (the targets are the topology's values after dilation):
 - bandwidth of every directed link: a bulk TCP transfer, measured from the tc
   byte counters of the sender's class (link-layer bytes) over a steady-state
   window; within [0.95, 1.02] of B/T;
+- burst of every directed link: messages of at least 20 ms at the rate, each after
+  idle on one warm TCP connection, must take their bytes' time at B/T from the first
+  byte (within [0.97 x that less HTB's bucket, 1.15 x]): a steady rate can be right
+  while a burst's first packets leave unshaped (GSO packets, ``hosts/topo.py``);
 - RTT of every pair: PING/PONG over the workers' own transport (so the
   transport delay line is what is measured), compared in emulated time
   (measured / T) with twice the one-way delay plus the frames'
@@ -42,6 +46,7 @@ from ..steps import Job, StepScheduler
 from .experts import ExpertBank, ExpertSpec
 from .hosts import EmulatedNetwork
 from .hosts.readback import cgroup_quota, tc_classes, tc_qdiscs
+from .hosts.topo import MTU_FRAME, htb_params
 from .stream import ModeledStream, Work
 from .tolerances import CPU_SATURATED_PCT
 from .transport import precise_loop
@@ -52,6 +57,11 @@ PORT = 47100
 PING_BYTES = len(encode(Frame(Ping(0, 0, 0.0))))
 PONG_BYTES = len(encode(Frame(Pong(0, 0, 0.0, 0.0))))
 BW_TOL = (0.95, 1.02)
+#: a burst's time against its bytes at the rate: at least 0.97 x that less the bucket
+#: HTB may send at once, at most 1.15 x (the receiver's Python adds a little)
+BURST_TOL = (0.97, 1.15)
+BURST_MIN_BYTES, BURST_MAX_BYTES, BURST_S = 256_000, 8_000_000, 0.020
+TCP_SEGMENT = 1448  # payload bytes of a full segment (1500 MTU, IP, TCP with timestamps)
 RTT_ABS, RTT_REL = 0.2e-3, 0.03
 SVC_REL = 0.05
 
@@ -115,6 +125,51 @@ def measure_bandwidth(net: EmulatedNetwork, m: int, n: int, seconds: float) -> t
     rx.wait()
     rate = (c2.get("bytes", 0) - c1.get("bytes", 0)) * 8 / (t2 - t1)
     return rate, c2.get("dropped", 0), cpu
+
+
+def burst_bytes(rate_bit: float) -> int:
+    """A message long enough (``BURST_S`` at the rate) that HTB's bucket is a few % of it."""
+    return int(min(BURST_MAX_BYTES, max(BURST_MIN_BYTES, rate_bit / 8 * BURST_S)))
+
+
+def burst_bounds(rate_bit: float, size: int, delay_s: float = 0.0) -> tuple[float, float]:
+    """(floor, time) of one ``size``-byte message at ``rate_bit``, wall seconds: its
+    Ethernet frames' time at the rate (plus the delay where the kernel adds it), and that
+    less what HTB's bucket lets through at once."""
+    frames = size / TCP_SEGMENT * MTU_FRAME
+    full = frames * 8 / rate_bit + delay_s
+    return full - htb_params(rate_bit)["burst"] * 8 / rate_bit, full
+
+
+def measure_burst(net: EmulatedNetwork, m: int, n: int, size: int, count: int = 3,
+                  gap: float = 0.25) -> list[float]:
+    """Wall seconds from each write's start to its last byte's arrival, m -> n."""
+    port = str(PORT + 99)
+    rx = net.popen(n, _py("probe", "burst-recv", "--port", port, "--count", str(count),
+                          "--size", str(size)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                   text=True)
+    if not rx.stdout.readline():
+        rx.wait()
+        raise ProbeError(_why(ValueError(), rx.stderr.read(), rx.returncode))
+    tx = net.popen(m, _py("probe", "burst-send", "--addr", net.addr(m, n), "--port", port,
+                          "--count", str(count), "--size", str(size), "--gap", str(gap)),
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if not tx.stdout.readline():
+            raise ProbeError(_why(ValueError(), tx.stderr.read(), tx.wait()))
+        sent = [float(tx.stdout.readline()) for _ in range(count)]
+        got = [float(rx.stdout.readline()) for _ in range(count)]
+    except ValueError as exc:  # a probe stopped printing: say what it said
+        raise ProbeError(_why(exc, rx.stderr.read() if rx.poll() is not None else "",
+                              rx.returncode)) from None
+    finally:
+        for p in (tx, rx):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return [g - s for s, g in zip(sent, got)]
 
 
 def measure_rtts(net: EmulatedNetwork, pairs: list[tuple[int, int]], count: int,
@@ -241,6 +296,22 @@ def run_fidelity(cluster: Cluster, shape: MoEShape, T: float, mechanism: str = "
             rows.append(Row("bandwidth", f"{cluster.names[m]}->{cluster.names[n]}", target / 1e6,
                             rate / 1e6, BW_TOL[0] <= ratio <= BW_TOL[1] and drops == 0,
                             f"ratio {ratio:.3f}, drops {drops}"))
+        for (m, n) in links:
+            end = net.ends[(m, n)]
+            size = burst_bytes(end.rate_bit)
+            floor, full = burst_bounds(end.rate_bit, size,
+                                       end.delay_s if net.mechanism == "netem" else 0.0)
+            what = f"{cluster.names[m]}->{cluster.names[n]}"
+            try:
+                took = measure_burst(net, m, n, size)
+            except ProbeError as err:
+                rows.append(Row("burst", what, full / T * 1e3, float("nan"), False, str(err)))
+                continue
+            ok = min(took) >= BURST_TOL[0] * floor and max(took) <= BURST_TOL[1] * full
+            rows.append(Row("burst", what, full / T * 1e3, min(took) / T * 1e3, ok,
+                            f"ms emulated, the fastest of {len(took)} messages of {size // 1000} kB "
+                            f"after idle (slowest {max(took) / T * 1e3:.4g}); floor "
+                            f"{BURST_TOL[0] * floor / T * 1e3:.4g}"))
         pair_list = sorted({(min(m, n), max(m, n)) for m, n in links})
         all_rtts = measure_rtts(net, pair_list, rtt_count)
         for (i, j) in pair_list:

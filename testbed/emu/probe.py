@@ -6,6 +6,10 @@
   holding each frame for the transport delay D (what workers do).
 ``ping --rank M --peer N --addr A --port P --delay D --count C``: send C PINGs
   over the transport and print the round-trip times as JSON.
+``burst-recv --port P --count C --size S`` and ``burst-send --addr A --port P --count C
+  --size S --gap G``: C messages of S bytes on one warm TCP connection, G seconds of idle
+  before each; the sender prints when each write began, the receiver when each
+  message's last byte arrived (one clock: the hosts share the machine's).
 
 Only addresses of the run's own hosts are ever used.
 """
@@ -39,6 +43,36 @@ def send(addr: str, port: int, seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         s.sendall(chunk)
+    s.close()
+
+
+def burst_recv(port: int, count: int, size: int) -> None:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(1)
+    print("READY", flush=True)
+    conn, _ = srv.accept()
+    buf = bytearray(1 << 20)
+    for _ in range(count):
+        got = 0
+        while got < size:
+            n = conn.recv_into(buf, min(len(buf), size - got))
+            if not n:
+                raise SystemExit(f"connection closed after {got} of {size} bytes")
+            got += n
+        print(f"{time.monotonic():.6f}", flush=True)
+
+
+def burst_send(addr: str, port: int, count: int, size: int, gap: float) -> None:
+    s = socket.create_connection((addr, port), timeout=10)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    print("READY", flush=True)
+    buf = b"\0" * size
+    for _ in range(count):
+        time.sleep(gap)  # idle: the kernel may send the next burst's first packet at once
+        print(f"{time.monotonic():.6f}", flush=True)
+        s.sendall(buf)
     s.close()
 
 
@@ -102,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--addr", required=True)
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--seconds", type=float, required=True)
+    br = sub.add_parser("burst-recv")
+    bs = sub.add_parser("burst-send")
+    for p in (br, bs):
+        p.add_argument("--port", type=int, required=True)
+        p.add_argument("--count", type=int, required=True)
+        p.add_argument("--size", type=int, required=True)
+    bs.add_argument("--addr", required=True)
+    bs.add_argument("--gap", type=float, required=True)
     for name in ("pong", "ping"):
         p = sub.add_parser(name)
         p.add_argument("--rank", type=int, required=True)
@@ -117,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         recv(a.port)
     elif a.cmd == "send":
         send(a.addr, a.port, a.seconds)
+    elif a.cmd == "burst-recv":
+        burst_recv(a.port, a.count, a.size)
+    elif a.cmd == "burst-send":
+        burst_send(a.addr, a.port, a.count, a.size, a.gap)
     elif a.cmd == "pong":
         pong(a.rank, a.peer, a.addr, a.port, a.delay, a.servers)
     else:

@@ -32,6 +32,7 @@ import gc
 import heapq
 import itertools
 import random
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -84,6 +85,20 @@ def _frozen_heap():
         yield
     finally:
         gc.unfreeze()
+
+
+def broadcast_lags(bandwidth, delay, efficiency: float, header_bytes: int,
+                   window_s: float) -> list[list[int]]:
+    """``[n][m]``: how many windows old peer n's backlog is in server m's view at m's tick.
+    Each server broadcasts its backlog at every tick (the emulator's STATE frame, about a
+    header's bytes); a tick's broadcast reaches m after the link's delay and the frame's
+    time at its rate, so at m's next tick m holds n's broadcast of the tick before, or of
+    an earlier one where the link is slower than a window: lag = floor(time / window) + 1.
+    A server's own entry is current (lag 0)."""
+    N = len(bandwidth)
+    return [[0 if n == m else
+             int((delay[n][m] + header_bytes / (bandwidth[n][m] * efficiency)) // window_s) + 1
+             for m in range(N)] for n in range(N)]
 
 
 def _on_execute(residency: Residency):
@@ -194,6 +209,12 @@ class SimBackend:
         self.views = [StateView(N) for _ in range(N)]
         self.snapshot = [0.0] * N
         self.snap_window = 0
+        #: ``net.views: broadcast``: server m's view of peer n is n's snapshot from
+        #: ``view_lag[n][m]`` windows ago; ``snap_hist[j]`` is the snapshot j windows ago
+        self.view_lag = (broadcast_lags(cl.bandwidth, cl.delay, eff, spec.sim.header_bytes,
+                                        spec.window_s) if spec.broadcast_views else None)
+        lag_max = max(max(row) for row in self.view_lag) if self.view_lag else 0
+        self.snap_hist = deque([[0.0] * N for _ in range(lag_max + 1)], maxlen=lag_max + 1)
         self.alive = [True] * N
         self.intact = True  # no fault yet: every message gets through (``reachable``'s fast path)
         self.link_up: list[list[bool]] | None = None  # None until a link is cut
@@ -283,12 +304,21 @@ class SimBackend:
         for n in range(self.N):
             snap[n] = self.sched[n].backlog(t)
         self.snap_window += 1
+        if self.view_lag is not None:
+            self.snap_hist.appendleft(list(snap))
         if self.pending_requests > 0:
             self.at(t + self.window, self._window, None)
 
-    def _refresh(self, v: StateView) -> None:
+    def _refresh(self, v: StateView, m: int) -> None:
+        """Server m's view at the current window: every server's backlog at the tick, or
+        with broadcast views each peer's as its last broadcast to m had arrived."""
         lu = None if self.link_up is None else [list(row) for row in self.link_up]
-        v.refresh(self.snap_window, self.snap_window * self.window, self.snapshot, self.alive, lu)
+        snap = self.snapshot
+        if self.view_lag is not None:
+            hist = self.snap_hist
+            snap = [hist[lag[m]][n] for n, lag in enumerate(self.view_lag)]
+            snap[m] = self.snapshot[m]
+        v.refresh(self.snap_window, self.snap_window * self.window, snap, self.alive, lu)
 
     # -- faults ---------------------------------------------------------------
     def _fault(self, f) -> None:
@@ -416,7 +446,7 @@ class SimBackend:
             return None
         view = self.views[theta]
         if view.window != self.snap_window:
-            self._refresh(view)
+            self._refresh(view, theta)
         try:
             routed = self.core.decide(self.deciders[theta], self.residency[theta], view, tv,
                                       tok.targets[tv.layer], self.true_backlog)
