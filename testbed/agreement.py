@@ -20,10 +20,10 @@ simulator's records where the emulated run of the same seed stopped (``cut_recor
 the two sides measure the same requests. ``agree-sweep`` (below) checks every point of an
 emulated sweep against the simulator on the point's own resolved spec.
 
-Both run the simulator with ``net.views: broadcast``: the emulator's views are its peers'
-STATE broadcasts, as they arrive, whatever the spec says, so the two sides are the same
-world (``SIM_TWIN``); the simulator's default (``instant``) is compared with it in the
-README's "Views travel".
+Both run the simulator with ``net.control: links``: the emulator's views are its peers'
+STATE broadcasts and its feedback FEEDBACK frames, as they arrive, whatever the spec says,
+so the two sides are the same world (``SIM_TWIN``); the simulator's default (``instant``)
+is compared with it in the README's "What servers know of each other travels".
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def _own_cut(stats: dict) -> float | None:
     return float(stats["emulated_s"]) if stats.get("timed_out") else None
 
 
-#: what the simulator's side of an agreement check overrides: the emulator's view rule
-SIM_TWIN = {"backend": "sim", "net.views": "broadcast"}
+#: what the simulator's side of an agreement check overrides: the emulator's control rule
+SIM_TWIN = {"backend": "sim", "net.control": "links"}
 
 
 def _side(spec: ExperimentSpec, seeds: int, out: Path, name: str,

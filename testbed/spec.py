@@ -169,14 +169,16 @@ class NetSpec(_Model):
                              "halves its window")
     idle_decay: bool = Field(True, description="net.ipv4.tcp_slow_start_after_idle (Linux "
                              "default 1)")
-    #: ``instant`` stays the default until the figures are regenerated under ``broadcast``,
-    #: the physical rule (README, "Views travel": it moves HetRoute's means by up to ~8%)
-    views: Literal["broadcast", "instant"] = Field(
-        "instant", description="'broadcast': at its window tick a server's view of a peer's "
-        "backlog is the peer's last window broadcast that crossed their link by then (the "
-        "emulator's STATE frames; one window old or more); 'instant': every view reads every "
-        "server's backlog at the tick (the paper's rule). Simulator, hardware physics only; "
-        "the emulator's views are always broadcasts")
+    #: ``instant`` stays the default until the figures are regenerated under ``links``, the
+    #: physical rule (README, "What servers know of each other travels")
+    control: Literal["links", "instant"] = Field(
+        "instant", description="what a server knows of the others. 'links': at its window "
+        "tick its view of a peer's backlog is the peer's last window broadcast that crossed "
+        "their link by then (one window old or more), and a layer's record reaches the "
+        "decider that routed it (HetRoute's feedback, eq. 21) a link's delay after the "
+        "aggregator wrote it, as the emulator's STATE and FEEDBACK frames do; 'instant': both "
+        "at once (the paper's rule). Simulator, hardware physics only; the emulator's "
+        "always cross the links")
 
     def params(self):
         from .tcp import TcpParams
@@ -245,9 +247,9 @@ class ExperimentSpec(_Model):
         return self.physics == "hardware" and self.net.transport == "tcp"
 
     @property
-    def broadcast_views(self) -> bool:
-        """Whether the simulator's views lag by their links' broadcast (``net.views``)."""
-        return self.physics == "hardware" and self.net.views == "broadcast"
+    def control_over_links(self) -> bool:
+        """Whether the simulator's views and feedback cross the links (``net.control``)."""
+        return self.physics == "hardware" and self.net.control == "links"
 
     def with_overrides(self, overrides: dict[str, Any]) -> "ExperimentSpec":
         """A copy with dotted-key overrides, e.g. {'workload.rate_per_s': 80}."""

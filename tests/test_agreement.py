@@ -83,7 +83,7 @@ def test_agree_sweep_runs_each_emulated_point_on_the_simulator(tmp_path):
     (point / "run.json").write_text(json.dumps({**info, "backend": "emu", "stats": {"dilation": 8.0}}))
     (row,) = sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False)
     assert is_done(tmp_path / "twins" / "name=edgeshard" / "seed0",  # the emulator's views
-                   parse_spec({**spec, "backend": "sim", "net": {**spec["net"], "views": "broadcast"}}))
+                   parse_spec({**spec, "backend": "sim", "net": {**spec["net"], "control": "links"}}))
     c = row.check
     assert row.ok and c.mean_ms[0] == c.mean_ms[1] and c.work[0] == c.work[1] > 0
     assert row.point == "name=edgeshard/seed0" and row.cut_s is None and c.router == "edgeshard"

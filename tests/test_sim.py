@@ -252,16 +252,20 @@ def test_broadcast_lag_is_the_windows_a_broadcast_needs_to_cross_its_link():
     assert lags == [[0, 1, 2], [3, 0, 1], [1, 2, 0]]
 
 
-def test_broadcast_views_show_each_peer_as_its_last_broadcast_arrived():
+def _asym5(control: str):
+    setup = build_setup(parse_spec({
+        "name": "control", "topology": "asym5", "backend": "sim", "net": {"control": control},
+        "workload": {"rate_per_s": 10, "duration_s": 0.5, "warmup_s": 0.0, "gen_tokens": 0,
+                     "calibration_tokens": 16}}))
+    return setup, SimBackend(setup, RecordWriter(None, setup.shape.top_k))
+
+
+def test_views_over_links_show_each_peer_as_its_last_broadcast_arrived():
     """Server m's view at window k holds peer n's backlog of window k - lag[n][m] and its
-    own of window k; ``net.views: instant`` (the paper's rule) holds every server's of k."""
+    own of window k; ``net.control: instant`` (the paper's rule) holds every server's of k."""
     from hetroute.state import StateView
-    spec = {"name": "views", "topology": "asym5", "backend": "sim",
-            "workload": {"rate_per_s": 10, "duration_s": 0.5, "warmup_s": 0.0, "gen_tokens": 0,
-                         "calibration_tokens": 16}}
-    for views in ("broadcast", "instant"):
-        setup = build_setup(parse_spec({**spec, "net": {"views": views}}))
-        sim = SimBackend(setup, RecordWriter(None, setup.shape.top_k))
+    for control in ("links", "instant"):
+        setup, sim = _asym5(control)
         N, w = setup.cluster.n, sim.window
         sim.pending_requests = 0  # no next window scheduled: the test ticks by hand
         for n in range(N):  # server n's backlog at window j is 10 j + n
@@ -273,10 +277,37 @@ def test_broadcast_views_show_each_peer_as_its_last_broadcast_arrived():
         for m in range(N):
             v = StateView(N)
             sim._refresh(v, m)
-            if views == "instant":
+            if control == "instant":
                 assert list(v.backlog) == [40 + n for n in range(N)]
                 continue
             want = [10 * (4 - sim.view_lag[n][m]) + n for n in range(N)]
             assert list(v.backlog) == want and v.backlog[m] == 40 + m
-        if views == "broadcast":  # no peer is seen as it is now
+        if control == "links":  # no peer is seen as it is now
             assert min(sim.view_lag[n][m] for n in range(N) for m in range(N) if n != m) >= 1
+
+
+def test_feedback_over_links_reaches_the_decider_a_link_later():
+    """HetRoute's deciders get each record when the aggregator's FEEDBACK would arrive: at
+    once where the decider aggregated, else the link's delay and the frame's time later, in
+    the decider's window then; with ``instant`` every record at once."""
+    for control in ("links", "instant"):
+        setup, sim = _asym5(control)
+        got = []
+        for n, d in enumerate(sim.deciders):
+            def spy(rec, n=n, inner=d.on_layer_done):
+                got.append((n, rec, sim.now, sim.snap_window))
+                inner(rec)
+            d.on_layer_done = spy
+        sim.run()
+        assert len(got) == sim.stats.token_layers > 0
+        moved = 0
+        for n, rec, now, window in got:
+            done = rec.t_start + rec.total_s
+            assert rec.server == n and rec.window == window
+            if control == "instant" or rec.next_server == n:
+                assert now == pytest.approx(done, abs=1e-12)
+                continue
+            moved += 1
+            lag = setup.cluster.delay[rec.next_server][n]
+            assert now == pytest.approx(done + lag, rel=1e-3)
+        assert (moved > 0) == (control == "links")

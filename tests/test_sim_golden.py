@@ -44,10 +44,11 @@ GOLDEN = {
 #: step rule's with TCP's window (``testbed/tcp.py``).
 STEP = "94cab10c4e931cbb144436501add0770cbee42ec7f135b942448e1a19c792333"
 STEP_TCP = "ce39323dde50f3e0320e27f558a6a6fe150d6df8029141d11399aff927e534de"
-#: All of the above have every view read every backlog at its tick (``net.views: instant``,
-#: the default); ``BROADCAST`` is the step rule's with TCP's window and views that lag by
-#: their links' broadcast (``net.views: broadcast``, the emulator's rule).
-BROADCAST = "6cb390892c3a404decb0be2a51fc0e5e5bdb9c9a4b9524df59277c3b1f5c9c57"
+#: All of the above have every view read every backlog at its tick and every record reach
+#: its decider at once (``net.control: instant``, the default); ``LINKS`` is the step
+#: rule's with TCP's window and views and feedback that cross the links (``net.control:
+#: links``, the emulator's rule).
+LINKS = "afc5d3bfb94ffecda568411c2ed61f4d4c882a526b54c38251b5f76bf326a032"
 
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
         "engine": {"decision_s": 0, "dispatch": "token"},
@@ -68,7 +69,7 @@ def digest(*frames: pd.DataFrame) -> str:
 
 
 def run_digests(drop: list[str] | None = None, dispatch: str = "token",
-                transport: str = "ideal", views: str = "instant") -> dict[str, str]:
+                transport: str = "ideal", control: str = "instant") -> dict[str, str]:
     """Both physics on one placement (the world's physics does not enter the placement);
     ``drop``: request-table columns left out of the digest."""
     base = build_setup(parse_spec({**SPEC, "physics": "hardware"}))
@@ -76,7 +77,7 @@ def run_digests(drop: list[str] | None = None, dispatch: str = "token",
     for physics in ("hardware", "paper"):
         setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides(
             {"physics": physics, "engine.dispatch": dispatch, "net.transport": transport,
-             "net.views": views})))
+             "net.control": control})))
         writer = RecordWriter(None, setup.shape.top_k)
         SimBackend(setup, writer).run()
         writer.close()
@@ -105,11 +106,11 @@ def test_tcp_windows_change_the_hardware_world_only():
     assert got["hardware"] == STEP_TCP, f"the TCP world's records changed: {got['hardware']}"
 
 
-def test_broadcast_views_change_the_hardware_world_only():
-    got = run_digests(dispatch="step", transport="tcp", views="broadcast")
+def test_control_over_links_changes_the_hardware_world_only():
+    got = run_digests(dispatch="step", transport="tcp", control="links")
     assert got["paper"] == GOLDEN["paper"], "the paper's views are instant whatever the rule"
     assert got["hardware"] != STEP_TCP, "the views' lag never moved a decision here"
-    assert got["hardware"] == BROADCAST, f"the broadcast views' records changed: {got['hardware']}"
+    assert got["hardware"] == LINKS, f"the records over links changed: {got['hardware']}"
 
 
 def test_batched_request_routing_equals_routing_each_request_alone():
@@ -135,4 +136,4 @@ def test_batched_request_routing_equals_routing_each_request_alone():
 if __name__ == "__main__":  # pragma: no cover - prints the digests to record
     print(run_digests(), run_digests(dispatch="step")["hardware"],
           run_digests(dispatch="step", transport="tcp")["hardware"],
-          run_digests(dispatch="step", transport="tcp", views="broadcast")["hardware"])
+          run_digests(dispatch="step", transport="tcp", control="links")["hardware"])

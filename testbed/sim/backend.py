@@ -89,7 +89,8 @@ def _frozen_heap():
 
 def broadcast_lags(bandwidth, delay, efficiency: float, header_bytes: int,
                    window_s: float) -> list[list[int]]:
-    """``[n][m]``: how many windows old peer n's backlog is in server m's view at m's tick.
+    """``[n][m]``: how many windows old peer n's backlog is in server m's view at m's tick
+    (``net.control: links``).
     Each server broadcasts its backlog at every tick (the emulator's STATE frame, about a
     header's bytes); a tick's broadcast reaches m after the link's delay and the frame's
     time at its rate, so at m's next tick m holds n's broadcast of the tick before, or of
@@ -209,10 +210,15 @@ class SimBackend:
         self.views = [StateView(N) for _ in range(N)]
         self.snapshot = [0.0] * N
         self.snap_window = 0
-        #: ``net.views: broadcast``: server m's view of peer n is n's snapshot from
-        #: ``view_lag[n][m]`` windows ago; ``snap_hist[j]`` is the snapshot j windows ago
+        #: ``net.control: links``: server m's view of peer n is n's snapshot from
+        #: ``view_lag[n][m]`` windows ago (``snap_hist[j]`` is the snapshot j windows ago),
+        #: and a record reaches its decider ``control_s[agg][decider]`` after it was written
+        links = spec.control_over_links
         self.view_lag = (broadcast_lags(cl.bandwidth, cl.delay, eff, spec.sim.header_bytes,
-                                        spec.window_s) if spec.broadcast_views else None)
+                                        spec.window_s) if links else None)
+        self.control_s = ([[0.0 if m == n else
+                            cl.delay[m][n] + spec.sim.header_bytes / (cl.bandwidth[m][n] * eff)
+                            for n in range(N)] for m in range(N)] if links else None)
         lag_max = max(max(row) for row in self.view_lag) if self.view_lag else 0
         self.snap_hist = deque([[0.0] * N for _ in range(lag_max + 1)], maxlen=lag_max + 1)
         self.alive = [True] * N
@@ -636,6 +642,12 @@ class SimBackend:
                 heapq.heappush(self.heap, (tok.fan_in_end, self.next_seq(), self._layer_done_at,
                                            (tok, tok.attempt)))
 
+    def _feedback_in(self, arg) -> None:
+        """A record reaches the decider that routed it, in the decider's current window (as
+        the emulator hands a FEEDBACK frame over: a decider's windows never go back)."""
+        dec, rec = arg
+        self.deciders[dec].on_layer_done(rec._replace(window=self.snap_window))
+
     def _layer_done_at(self, arg) -> None:
         tok, attempt = arg
         if attempt == tok.attempt and not tok.req.failed:
@@ -653,7 +665,11 @@ class SimBackend:
                                self.snap_window)
         self.w.token_layer(rec)
         self.stats.token_layers += 1
-        self.deciders[tok.decider].on_layer_done(rec)
+        dec = tok.decider
+        if self.control_s is None or a.next_server == dec:
+            self.deciders[dec].on_layer_done(rec)
+        else:  # the aggregator's FEEDBACK crosses the link to the decider
+            self.at(t + self.control_s[a.next_server][dec], self._feedback_in, (dec, rec))
         tv.lam_acc += tok.routed.dq
         tv.server = a.next_server
         tv.layer += 1
