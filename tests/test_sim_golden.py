@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 
 import pandas as pd
-import pytest
 
 from testbed.conformance import fresh
 from testbed.records import RecordWriter

@@ -24,13 +24,18 @@ import sys
 import time
 
 
-def recv(port: int) -> None:
+def _accept(port: int) -> socket.socket:
+    """Listen on ``port``, say READY, and return the first connection."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", port))
-    srv.listen(8)
+    srv.listen(1)
     print("READY", flush=True)
-    conn, _ = srv.accept()
+    return srv.accept()[0]
+
+
+def recv(port: int) -> None:
+    conn = _accept(port)
     buf = bytearray(1 << 20)
     while conn.recv_into(buf):
         pass
@@ -47,12 +52,7 @@ def send(addr: str, port: int, seconds: float) -> None:
 
 
 def burst_recv(port: int, count: int, size: int) -> None:
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("0.0.0.0", port))
-    srv.listen(1)
-    print("READY", flush=True)
-    conn, _ = srv.accept()
+    conn = _accept(port)
     buf = bytearray(1 << 20)
     for _ in range(count):
         got = 0
