@@ -243,10 +243,10 @@ def test_paper_world_charges_per_token_and_dense_outside_the_stream():
 
 
 def test_broadcast_lag_is_the_windows_a_broadcast_needs_to_cross_its_link():
-    from testbed.sim.backend import broadcast_lags
+    from testbed.sim.backend import broadcast_lags, control_seconds
     B = 1.25e8  # 1 Gbit/s in bytes/s
     delay = [[0.0, 0.005, 0.025], [0.045, 0.0, 0.0003], [0.0199, 0.02, 0.0]]
-    lags = broadcast_lags([[B] * 3] * 3, delay, 0.956, 64, 0.02)
+    lags = broadcast_lags(control_seconds([[B] * 3] * 3, delay, 0.956, 64), 0.02)
     # within a window: the tick before; 25 ms: two before; 45 ms: three; 19.9 ms and the
     # 64-byte frame's 0.5 us stay inside one window, 20 ms and the frame's time do not
     assert lags == [[0, 1, 2], [3, 0, 1], [1, 2, 0]]

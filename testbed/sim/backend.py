@@ -87,19 +87,24 @@ def _frozen_heap():
         gc.unfreeze()
 
 
-def broadcast_lags(bandwidth, delay, efficiency: float, header_bytes: int,
-                   window_s: float) -> list[list[int]]:
-    """``[n][m]``: how many windows old peer n's backlog is in server m's view at m's tick
-    (``net.control: links``).
-    Each server broadcasts its backlog at every tick (the emulator's STATE frame, about a
-    header's bytes); a tick's broadcast reaches m after the link's delay and the frame's
-    time at its rate, so at m's next tick m holds n's broadcast of the tick before, or of
-    an earlier one where the link is slower than a window: lag = floor(time / window) + 1.
-    A server's own entry is current (lag 0)."""
+def control_seconds(bandwidth, delay, efficiency: float, header_bytes: int) -> list[list[float]]:
+    """``[m][n]``: seconds a control frame (about a header's bytes: the emulator's STATE or
+    FEEDBACK) takes from m to n, its link's delay and its time at the rate
+    (``net.control: links``)."""
     N = len(bandwidth)
-    return [[0 if n == m else
-             int((delay[n][m] + header_bytes / (bandwidth[n][m] * efficiency)) // window_s) + 1
-             for m in range(N)] for n in range(N)]
+    return [[0.0 if m == n else delay[m][n] + header_bytes / (bandwidth[m][n] * efficiency)
+             for n in range(N)] for m in range(N)]
+
+
+def broadcast_lags(control_s: list[list[float]], window_s: float) -> list[list[int]]:
+    """``[n][m]``: how many windows old peer n's backlog is in server m's view at m's tick.
+    Each server broadcasts its backlog at every tick; a tick's broadcast reaches m
+    ``control_s[n][m]`` later, so at m's next tick m holds n's broadcast of the tick
+    before, or of an earlier one where that is longer than a window: lag =
+    floor(time / window) + 1. A server's own entry is current (lag 0)."""
+    N = len(control_s)
+    return [[0 if n == m else int(control_s[n][m] // window_s) + 1 for m in range(N)]
+            for n in range(N)]
 
 
 def _on_execute(residency: Residency):
@@ -213,12 +218,10 @@ class SimBackend:
         #: ``net.control: links``: server m's view of peer n is n's snapshot from
         #: ``view_lag[n][m]`` windows ago (``snap_hist[j]`` is the snapshot j windows ago),
         #: and a record reaches its decider ``control_s[agg][decider]`` after it was written
-        links = spec.control_over_links
-        self.view_lag = (broadcast_lags(cl.bandwidth, cl.delay, eff, spec.sim.header_bytes,
-                                        spec.window_s) if links else None)
-        self.control_s = ([[0.0 if m == n else
-                            cl.delay[m][n] + spec.sim.header_bytes / (cl.bandwidth[m][n] * eff)
-                            for n in range(N)] for m in range(N)] if links else None)
+        self.control_s = (control_seconds(cl.bandwidth, cl.delay, eff, spec.sim.header_bytes)
+                          if spec.control_over_links else None)
+        self.view_lag = (broadcast_lags(self.control_s, spec.window_s)
+                         if self.control_s is not None else None)
         lag_max = max(max(row) for row in self.view_lag) if self.view_lag else 0
         self.snap_hist = deque([[0.0] * N for _ in range(lag_max + 1)], maxlen=lag_max + 1)
         self.alive = [True] * N
@@ -317,7 +320,7 @@ class SimBackend:
 
     def _refresh(self, v: StateView, m: int) -> None:
         """Server m's view at the current window: every server's backlog at the tick, or
-        with broadcast views each peer's as its last broadcast to m had arrived."""
+        with control over links each peer's as its last broadcast to m had arrived."""
         lu = None if self.link_up is None else [list(row) for row in self.link_up]
         snap = self.snapshot
         if self.view_lag is not None:
