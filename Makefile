@@ -33,9 +33,12 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-## test: the whole suite (emulation tests skip with a reason where root/Mininet are missing)
+## test: the whole suite (emulation tests skip with a reason where root/Mininet are missing):
+## what judges no wall clock runs on two processes (one file per process), then the emulated
+## runs and the wall-clock checks run alone, since a busy CPU would fail them
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -m "not timing"
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m "not timing and not emu and not serial"
+	$(PYTHON) -m pytest -q -m "(emu or serial) and not timing"
 
 ## test-fast: the inner loop (method, router contract, simulator) on every core, under a minute here
 test-fast: $(STAMP)

@@ -22,8 +22,9 @@ emulated sweep against the simulator on the point's own resolved spec.
 
 Both run the simulator with ``net.control: links``: the emulator's views are its peers'
 STATE broadcasts and its feedback FEEDBACK frames, as they arrive, whatever the spec says,
-so the two sides are the same world (``SIM_TWIN``); the simulator's default (``instant``)
-is compared with it in the README's "What servers know of each other travels".
+so the two sides are the same world (``SIM_TWIN``), also where a spec asks the simulator
+for the paper's omniscient ``instant`` rule (README, "What servers know of each other
+travels").
 """
 
 from __future__ import annotations

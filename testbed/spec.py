@@ -169,10 +169,10 @@ class NetSpec(_Model):
                              "halves its window")
     idle_decay: bool = Field(True, description="net.ipv4.tcp_slow_start_after_idle (Linux "
                              "default 1)")
-    #: ``instant`` stays the default until the figures are regenerated under ``links``, the
-    #: physical rule (README, "What servers know of each other travels")
+    #: ``links`` is the physical rule and the default; ``instant`` is the paper's omniscient
+    #: one, kept to measure what it changes (README, "What servers know of each other travels")
     control: Literal["links", "instant"] = Field(
-        "instant", description="what a server knows of the others. 'links': at its window "
+        "links", description="what a server knows of the others. 'links': at its window "
         "tick its view of a peer's backlog is the peer's last window broadcast that crossed "
         "their link by then (one window old or more), and a layer's record reaches the "
         "decider that routed it (HetRoute's feedback, eq. 21) a link's delay after the "

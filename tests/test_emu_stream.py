@@ -16,6 +16,9 @@ from testbed.emu.stream import ModeledStream, Work
 from testbed.emu.transport import precise_loop
 from testbed.steps import DENSE, Job, StepScheduler
 
+#: wall-clock releases: `make test` runs these alone, not beside other tests
+pytestmark = pytest.mark.serial
+
 T = 50.0
 COMP = 2e-4  # model seconds per job: 10 ms wall at T = 50
 LOAD = 1e-3

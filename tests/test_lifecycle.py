@@ -14,6 +14,9 @@ import psutil
 import pytest
 import yaml
 
+#: signals and process deaths within deadlines: `make test` runs these alone
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FIG = {"figure": 97, "title": "lifecycle",

@@ -44,9 +44,9 @@ GOLDEN = {
 STEP = "94cab10c4e931cbb144436501add0770cbee42ec7f135b942448e1a19c792333"
 STEP_TCP = "ce39323dde50f3e0320e27f558a6a6fe150d6df8029141d11399aff927e534de"
 #: All of the above have every view read every backlog at its tick and every record reach
-#: its decider at once (``net.control: instant``, the default); ``LINKS`` is the step
-#: rule's with TCP's window and views and feedback that cross the links (``net.control:
-#: links``, the emulator's rule).
+#: its decider at once (``net.control: instant``, the default until 2026-11-26); ``LINKS``
+#: is the step rule's with TCP's window and views and feedback that cross the links
+#: (``net.control: links``, the emulator's rule and now the default).
 LINKS = "afc5d3bfb94ffecda568411c2ed61f4d4c882a526b54c38251b5f76bf326a032"
 
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
