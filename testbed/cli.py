@@ -243,15 +243,18 @@ def agree_sweep(sweep: Path = typer.Argument(..., help="an emulated sweep's fold
                                            "results/fig9/emu-quick"),
                 out: Path = typer.Option(None, help="where the simulated twins go (default: "
                                          "results/agreement-fig9-emu-quick for results/fig9/emu-quick)"),
+                seeds: int = typer.Option(1, min=1, max=100, help="pool at least this many seeds "
+                                          "per point: the sweep's own, then further seeds run on "
+                                          "the emulator under --out"),
                 quiet: bool = typer.Option(False, help="no progress bars")) -> None:
-    """Every emulated run of a sweep against the simulator on its own resolved spec, cut
-    where the emulated run stopped; non-zero exit when out of tolerance."""
+    """Every emulated point of a sweep against the simulator on its own resolved specs, cut
+    where each emulated run stopped, its seeds pooled; non-zero exit when out of tolerance."""
     from .agreement import format_points, sweep_agreement
     if not sweep.is_dir():
         _fail(f"sweep folder {sweep} does not exist")
         return
     out = out or sweep.parent.parent / f"agreement-{sweep.parent.name}-{sweep.name}"
-    rows = sweep_agreement(sweep, out, not quiet)
+    rows = sweep_agreement(sweep, out, not quiet, seeds)
     if not rows:
         _fail(f"no complete emulated run under {sweep}")
         return

@@ -93,3 +93,58 @@ def test_agree_sweep_runs_each_emulated_point_on_the_simulator(tmp_path):
     assert row.cut_s == 0.3 and row.check.work[1] < row.check.work[0] and not row.ok
     line = format_points([row]).splitlines()[1]
     assert line.split()[:4] == ["edgeshard", "10", "8.0", "0.30"] and line.endswith("NO")
+
+
+def _stand_in(spec_dict: dict, folder) -> None:
+    """A simulated run relabelled as emulated (the emulator's side is the same code)."""
+    import yaml
+
+    from testbed.runner import run_experiment
+    run_experiment(parse_spec(spec_dict), folder, progress=False)
+    spec = yaml.safe_load((folder / "spec.resolved.yaml").read_text())
+    (folder / "spec.resolved.yaml").write_text(yaml.safe_dump({**spec, "backend": "emu"},
+                                                              sort_keys=False))
+    info = json.loads((folder / "run.json").read_text())
+    (folder / "run.json").write_text(json.dumps({**info, "backend": "emu",
+                                                 "stats": {"dilation": 8.0}}))
+
+
+def test_agree_sweep_pools_a_points_seeds_and_runs_the_missing_ones(tmp_path, monkeypatch):
+    """A point with seeds 0 and 2 in the sweep, pooled to three: seed 1 is run (on the
+    emulator; here by the stand-in) under the twins' folder, each seed gets its simulated
+    twin, and the pooled check is over all three seeds' requests."""
+    import testbed.agreement as agreement
+    from testbed.agreement import format_points, sweep_agreement
+    sweep = tmp_path / "sweep" / "name=edgeshard"
+    for s in (0, 2):
+        _stand_in({**SPEC, "seed": s}, sweep / f"seed{s}")
+    ran = []
+
+    def run_experiment(spec, out, progress=True):
+        ran.append((spec.backend, spec.seed, out.relative_to(tmp_path).as_posix()))
+        if spec.backend == "emu":
+            _stand_in({**spec.model_dump(mode="json"), "backend": "sim"}, out)
+        else:
+            from testbed.runner import run_experiment as real
+            real(spec, out, progress=False)
+
+    monkeypatch.setattr(agreement, "run_experiment", run_experiment)
+    (one,) = sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False)
+    assert one.point == "name=edgeshard/seeds 0,2" and one.check.seeds == 2  # the sweep's two
+    assert [r[0] for r in ran] == ["sim", "sim"]
+    ran.clear()
+    (row,) = sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False, seeds=3)
+    assert ran == [("emu", 1, "twins/name=edgeshard/emu-seed1"),
+                   ("sim", 1, "twins/name=edgeshard/seed1")]  # seeds 0 and 2 reused
+    assert row.point == "name=edgeshard/seeds 0,2,1" and row.check.seeds == 3
+    assert [p[0] for p in row.per_seed] == [0, 2, 1]
+    # stand-ins and twins are the same runs: every seed agrees exactly, the pool too
+    assert all(e == m for _, e, m in row.per_seed) and row.ok
+    sizes = [_side(parse_spec({**SPEC, "seed": s}), 1, tmp_path / "twins" / "name=edgeshard",
+                   f"seed{s}").latency_s.size for s in (0, 1, 2)]
+    assert row.check.requests == (sum(sizes), sum(sizes)) and row.measured >= sum(sizes)
+    line = format_points([row]).splitlines()[1]
+    assert line.split()[-3:] == ["3", "1.00-1.00", "ok"]
+    ran.clear()
+    sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False, seeds=3)
+    assert ran == []  # everything reused

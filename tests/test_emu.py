@@ -69,6 +69,8 @@ def test_small3_smoke_run_completes_with_fidelity_table(tmp_path: Path) -> None:
     spec, res, tl, rq, n = _run(tmp_path)
     assert len(rq) == n and (rq.status == "ok").all(), rq[rq.status != "ok"].reason.tolist()
     assert res.metrics["mean_ms"] > 0 and len(tl) == n * 36 * 12  # every token-layer recorded
+    # the router's own delay estimate reaches the aggregator's record, as in the simulator
+    assert tl.est_delay_s.notna().all() and (tl.est_delay_s >= 0).all()
     fid = json.loads((tmp_path / "run" / "fidelity.json").read_text())
     assert len(fid["detail"]["links"]) == 6
     # what may be flagged on this shared 2-core host is lateness (negative padding,

@@ -48,7 +48,8 @@ def hidden_msgs(draw: st.DrawFn) -> Hidden:
     return Hidden(draw(_u16), draw(_u64), draw(_u32), draw(_u16), draw(_u64), draw(_u8), draw(_u16),
                   draw(_u16), draw(st.integers(1, len(picks))), draw(_lam), draw(_fin), draw(_fin),
                   draw(_i64), draw(_i64), draw(_i64), tuple(picks), draw(_ctx),
-                  group=draw(_u32), group_n=draw(_u16))
+                  group=draw(_u32), group_n=draw(_u16),
+                  est_delay_us=draw(st.integers(-1, 2**63 - 1)))
 
 
 @st.composite
@@ -215,6 +216,7 @@ def _patch(data: bytes, offset: int, fmt: str, value: object) -> bytes:
     (Hidden, "lam_acc", "d", float("nan"), "finite"),
     (Hidden, "lam_acc", "d", -1.0, "lam_acc"),
     (Hidden, "t_dispatch", "d", float("inf"), "finite"),
+    (Hidden, "est_delay_us", "q", -2, "est_delay_us"),
 ])
 def test_each_corrupted_field_is_a_wire_error(cls, field: str, fmt: str, value: object, msg: str) -> None:
     bad = _patch(_valid(), w.field_offset(cls, field), fmt, value)

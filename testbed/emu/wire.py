@@ -45,8 +45,9 @@ from hetroute.state import Mode
 MAGIC = b"HRTW"
 #: a congestion-window wait longer than this is a sender's bug, not a window
 MAX_HOLD_S = 3600.0
-VERSION = 5  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
-#: 5: HIDDEN, PARTIAL and TOKEN carry their congestion-window wait (``hold_s``)
+VERSION = 6  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
+#: 5: HIDDEN, PARTIAL and TOKEN carry their congestion-window wait (``hold_s``); 6: HIDDEN
+#: carries the router's delay estimate (``est_delay_us``)
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
@@ -145,6 +146,9 @@ class Hidden:
     #: congestion window beyond line rate (``testbed/tcp.py``), added by the receiver's
     #: delay line (the kernel's own TCP sees no delay to grow its window over)
     hold_s: float = 0.0
+    #: the router's own estimate of the layer's delay in us (``Assignment.est_delay``; -1: it
+    #: has none), for the aggregator's record: both backends' records carry ``est_delay_s``
+    est_delay_us: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,8 +394,8 @@ _REQ = (("request", "Q"), ("token", "I"), ("layer", "H"), ("seq", "Q"))
 _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
     Hidden: (("src", "H"), *_REQ, ("retries", "B"), ("home", "H"), ("aggregator", "H"),
              ("n_participants", "H"), ("lam_acc", "d"), ("t_layer", "d"), ("t_dispatch", "d"),
-             ("view_age_us", "q"), ("backlog_err_us", "q"), ("decision_us", "q"), ("dtype", "B"),
-             ("group", "I"), ("group_n", "H"), ("hold_s", "d")),
+             ("view_age_us", "q"), ("backlog_err_us", "q"), ("decision_us", "q"),
+             ("est_delay_us", "q"), ("dtype", "B"), ("group", "I"), ("group_n", "H"), ("hold_s", "d")),
     Partial: (("src", "H"), *_REQ, ("t_arrived", "d"), ("t_computed", "d"), ("dtype", "B"),
               ("group", "I"), ("group_n", "H"), ("hold_s", "d")),
     Token: (("src", "H"), *_REQ, ("home", "H"), ("lam_acc", "d"), ("final", "B"), ("dtype", "B"),
@@ -455,6 +459,8 @@ def _check(m: Message) -> None:
         if m.dtype not in _TORCH_OF or not 1 <= len(m.shape) <= MAX_DIMS:
             raise WireError(f"{type(m).__name__} needs a float tensor payload of 1-{MAX_DIMS} dims")
     if isinstance(m, Hidden):
+        if m.est_delay_us < -1:
+            raise WireError("est_delay_us must be >= 0, or -1 for no estimate")
         if not m.assignment:
             raise WireError("an assignment needs at least one target")
         if not 1 <= m.n_participants <= len(m.assignment):

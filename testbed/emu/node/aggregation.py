@@ -61,8 +61,7 @@ class Aggregation:
                   nbytes: int, participants: int, gpus) -> None:
         """The decider that routed the attempt ``key`` gets its whole ``TokenLayerRecord``:
         built here, from the decision kept at dispatch and what the aggregator measured, by
-        the core that built the aggregator's (the same fields; ``est_delay_s``, which the
-        HIDDEN frame does not carry, is the router's own here). Its window is the one this
+        the core that built the aggregator's (the same fields). Its window is the one this
         server is in: the aggregator's may be another (the frame crossed a window boundary,
         or the peers' window timers differ by the loop's lag), and a decider's windows never
         go back, as in the simulator, whose records and decisions share one window counter."""
@@ -115,7 +114,8 @@ class Aggregation:
             n_bytes += self.hidden_bytes
         decision_s = h.decision_us * 1e-6
         a = Assignment(tuple(p.target for p in picks), tuple(p.replica for p in picks),
-                       tuple(p.mode for p in picks), self.rank)
+                       tuple(p.mode for p in picks), self.rank,
+                       est_delay=float("nan") if h.est_delay_us < 0 else h.est_delay_us * 1e-6)
         dq = self.core.increment(a.targets, a.replicas)  # derived here too, not read off the wire
         routed = Routed(a, {}, decision_s, h.view_age_us * 1e-6, h.backlog_err_us * 1e-6, dq)
         tv = TokenView(h.request, h.token, h.home, 0.0, server=theta, layer=h.layer)

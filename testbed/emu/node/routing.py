@@ -181,7 +181,8 @@ class Routing:
             decision_us=int(round((t_disp - t_dec) * 1e6)),
             assignment=tuple(Pick(int(e), int(r), int(m))
                              for e, r, m in zip(a.targets, a.replicas, a.modes)),
-            router_ctx=tuple(tv.ctx) if tv.ctx else (), dtype=DType.FLOAT32, shape=(self.d,))
+            router_ctx=tuple(tv.ctx) if tv.ctx else (), dtype=DType.FLOAT32, shape=(self.d,),
+            est_delay_us=int(round(a.est_delay * 1e6)) if 0 <= a.est_delay < 1e6 else -1)
         # one encoding for every destination, or one per destination with its group's count
         frame = self._hidden_frame(out, h) if group is None else None
         key = (rid, index, layer, out.seq)
