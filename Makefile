@@ -42,7 +42,7 @@ test: $(STAMP)
 
 ## test-fast: the inner loop (method, router contract, simulator) on every core, under a minute here
 test-fast: $(STAMP)
-	$(PYTHON) -m pytest -q -n auto -m "not slow and not emu and not timing"
+	$(PYTHON) -m pytest -q -n auto -m "not slow and not emu and not timing and not serial"
 
 ## test-timing: checks that judge real CPU timings (the CPU hardware model); run on a quiet machine
 test-timing: $(STAMP)
