@@ -220,15 +220,36 @@ def cut_records(tl: pd.DataFrame, rq: pd.DataFrame, cut_s: float | None
     return tl, rq
 
 
+def compare_seeds(router: str, runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame],
+                                                tuple[pd.DataFrame, pd.DataFrame], float | None]],
+                  warmup_s: float, duration_s: float, dilation: float | None = None
+                  ) -> tuple[int, Comparison, list[tuple[int, float, float]]]:
+    """Seeds' emulated records (as recorded) against their simulated ones, each simulated
+    run cut where its emulated run stopped, pooled: how many requests the window measures
+    over all seeds, the pooled check, and each seed's (index, emulated mean ms, simulated
+    mean ms)."""
+    emu, sim, cuts, per_seed, n_all = [], [], [], [], 0
+    for k, (e, s, cut) in enumerate(runs):
+        le, n, we = _measure(*e, None, warmup_s, duration_s)
+        ls, _, ws = _measure(*s, cut, warmup_s, duration_s)
+        emu.append((le, we))
+        sim.append((ls, ws))
+        cuts.append(cut)
+        n_all += n
+        mean = lambda x: round(float(x.mean() * 1e3), 1) if x.size else float("nan")  # noqa: E731
+        per_seed.append((k, mean(le), mean(ls)))
+    side = lambda parts, d: Side(np.concatenate([p[0] for p in parts]), d, cuts,  # noqa: E731
+                                 sum(p[1] for p in parts))
+    return n_all, _compare("emu/sim", router, side(emu, dilation), side(sim, None), len(runs)), per_seed
+
+
 def compare_point(router: str, emu: tuple[pd.DataFrame, pd.DataFrame],
                   sim: tuple[pd.DataFrame, pd.DataFrame], cut_s: float | None, warmup_s: float,
                   duration_s: float, dilation: float | None = None) -> tuple[int, Comparison]:
-    """How many requests the window measures, and the emulated records (as recorded) against
-    the simulated ones cut where the emulated run stopped."""
-    le, n, we = _measure(*emu, None, warmup_s, duration_s)
-    ls, _, ws = _measure(*sim, cut_s, warmup_s, duration_s)
-    cuts = [cut_s]
-    return n, _compare("emu/sim", router, Side(le, dilation, cuts, we), Side(ls, None, cuts, ws), 1)
+    """One seed's ``compare_seeds``: how many requests the window measures, and the emulated
+    records (as recorded) against the simulated ones cut where the emulated run stopped."""
+    n, check, _ = compare_seeds(router, [(emu, sim, cut_s)], warmup_s, duration_s, dilation)
+    return n, check
 
 
 def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
@@ -254,15 +275,14 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
     rows = []
     for point, have in points.items():
         have.sort(key=lambda r: r[1].seed)
-        rel = point.relative_to(sweep_dir)
+        rel, base = point.relative_to(sweep_dir), have[0][1]
         runs: list[tuple[Path, ExperimentSpec, dict | None]] = list(have)
-        taken, seed = {s.seed for _, s, _ in have}, have[0][1].seed
+        taken, seed = {s.seed for _, s, _ in have}, base.seed
         while len(runs) < seeds:
             seed += 1
             if seed not in taken:
-                runs.append((out / rel / f"emu-seed{seed}", have[0][1].with_overrides(
-                    {"seed": seed}), None))
-        emu, sim, per_seed, cuts, measured_n, dil = [], [], [], [], 0, None
+                runs.append((out / rel / f"emu-seed{seed}", base.with_overrides({"seed": seed}), None))
+        pairs, cuts, dil = [], [], None
         for run, spec, info in runs:
             if info is None:  # a further seed: run it on the emulator here
                 if not is_done(run, spec):
@@ -273,24 +293,16 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
             if not is_done(twin, sim_spec):
                 run_experiment(sim_spec, twin, progress=progress)
             stats = info.get("stats", {})
-            cut, w = _own_cut(stats), spec.workload
-            le, n, we = _measure(*read_records(run), None, w.warmup_s, w.duration_s)
-            ls, _, ws = _measure(*read_records(twin), cut, w.warmup_s, w.duration_s)
-            emu.append((le, we))
-            sim.append((ls, ws))
-            cuts.append(cut)
-            measured_n += n
+            cuts.append(_own_cut(stats))
+            pairs.append((read_records(run), read_records(twin), cuts[-1]))
             dil = dil if dil is not None else stats.get("dilation")
-            per_seed.append((spec.seed, round(float(le.mean() * 1e3), 1) if le.size else float("nan"),
-                             round(float(ls.mean() * 1e3), 1) if ls.size else float("nan")))
-        side = lambda parts, d: Side(np.concatenate([p[0] for p in parts]), d, cuts,  # noqa: E731
-                                     sum(p[1] for p in parts))
-        check = _compare("emu/sim", have[0][1].router.name, side(emu, dil), side(sim, None), len(runs))
+        w = base.workload
+        measured_n, check, per = compare_seeds(base.router.name, pairs, w.warmup_s, w.duration_s, dil)
+        per_seed = [(runs[k][1].seed, e, m) for k, e, m in per]
         name = (str(have[0][0].relative_to(sweep_dir)) if len(runs) == 1 else
                 f"{rel}/seeds {','.join(str(r[1].seed) for r in runs)}")
         first_cut = next((c for c in cuts if c is not None), None)
-        rows.append(PointComparison(name, have[0][1].workload.rate_per_s, first_cut, measured_n,
-                                    check, per_seed))
+        rows.append(PointComparison(name, w.rate_per_s, first_cut, measured_n, check, per_seed))
     out.mkdir(parents=True, exist_ok=True)
     (out / "agreement.json").write_text(json.dumps(
         [{**asdict(r), "ok": r.ok} for r in rows], indent=1))
