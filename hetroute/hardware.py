@@ -151,6 +151,9 @@ CATALOGUE: Mapping[str, GpuClass] = types.MappingProxyType({g.name: g for g in (
     _g("h100-sxm", "NVIDIA H100 SXM", 989.4, 67.0, 80, 3350, 63.0, 9.0,
        "NVIDIA H100 datasheet (2023): FP16 Tensor 1979 TF with sparsity (989.4 dense), FP32 "
        "67 TF, 80 GB HBM3 3.35 TB/s, PCIe Gen5"),
+    _g("h200", "NVIDIA H200 SXM", 989.5, 67.0, 141, 4800, 63.0, 9.0,
+       "NVIDIA H200 Tensor Core GPU datasheet (2024): FP16 Tensor 1979 TF with sparsity "
+       "(989.5 dense), FP32 67 TF, 141 GB HBM3e 4.8 TB/s, PCIe Gen5 (128 GB/s bidirectional)"),
 )})
 
 #: Classes inside the paper's server ranges (Sec. VI-A: 18-120 TFLOPS, 12-48 GB

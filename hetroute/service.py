@@ -28,6 +28,18 @@ PCIE_EFFICIENCY = 0.8
 DENSE_MEMO = 1 << 16
 
 
+def dense_seconds(dev: Device, shape: MoEShape, tokens: int, attn_positions: int = 0,
+                  kv_positions: int = 0) -> float:
+    """The dense part of one layer on ``dev`` by the roofline: its weights read once per
+    batch, each attended position's scores and context, the KV cache read, activations."""
+    if tokens < 1:
+        return 0.0
+    flops = tokens * shape.dense_flops + attn_positions * shape.attn_flops_per_position
+    nbytes = (shape.dense_bytes + kv_positions * shape.kv_bytes_per_token
+              + 16.0 * tokens * shape.d_model)
+    return dev.kernel_s(flops, nbytes, kernels=shape.dense_kernels)
+
+
 class ServiceModel:
     """Seconds of stream time; ``tokens`` is the batch one kernel serves."""
 
@@ -106,12 +118,7 @@ class HardwareService(ServiceModel):
         return got
 
     def _dense_s(self, server: int, tokens: int, attn_positions: int, kv_positions: int) -> float:
-        if tokens < 1:
-            return 0.0
-        sh = self.shape
-        flops = tokens * sh.dense_flops + attn_positions * sh.attn_flops_per_position
-        nbytes = sh.dense_bytes + kv_positions * sh.kv_bytes_per_token + 16.0 * tokens * sh.d_model
-        return self.devices[server].kernel_s(flops, nbytes, kernels=sh.dense_kernels)
+        return dense_seconds(self.devices[server], self.shape, tokens, attn_positions, kv_positions)
 
     def load_s(self, server: int, precision: Precision) -> float:
         return self.shape.expert_bytes[precision] / (self.cluster.pcie[server] * PCIE_EFFICIENCY)

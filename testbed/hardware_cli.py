@@ -6,6 +6,8 @@
 - ``validate``: the model against operator profiles in Vidur's CSV layout
   (Agrawal et al., MLSys 2024, ``data/profiling/compute/<gpu>/<model>/mlp.csv``),
   which are not in this repository: pass the folder that holds them;
+- ``measure-gpu``: real kernels on this machine's CUDA GPU beside the model's
+  predictions for its class (``testbed/gpu_profile.py``);
 - ``classes``: the catalogue.
 """
 
@@ -94,6 +96,51 @@ def classes() -> None:
     for g in CATALOGUE.values():
         typer.echo(f"{g.name:10s} {g.fp16_tflops:8.1f} {g.mem_gb:7.0f} {g.mem_bw_gb_s:7.0f} "
                    f"{g.pcie_gb_s:6.1f} {g.sm:4.1f}  {','.join(g.precisions)}")
+
+
+@app.command("measure-gpu")
+def measure_gpu(out: Path = typer.Option(..., help="folder for kernels.csv and env.json"),
+                gpu: str | None = typer.Option(None, help="catalogue class to compare with "
+                                               "(default: from the device's name)"),
+                parts: str = typer.Option("ceiling,ffn,step,dense,int4", help="comma-separated"),
+                quick: bool = typer.Option(False, help="five token counts instead of 13"),
+                reps: int = typer.Option(7, min=3, max=100, help="repetitions per point"),
+                note: str = typer.Option("", help="free text kept in env.json (e.g. the git revision)")
+                ) -> None:
+    """Measure real kernels on this machine's CUDA GPU beside the model's predictions."""
+    import csv
+    import dataclasses
+    import datetime
+    from .gpu_profile import Row, measure
+    names = [p.strip() for p in parts.split(",") if p.strip()]
+    out.mkdir(parents=True, exist_ok=True)
+    fields = [f.name for f in dataclasses.fields(Row)] + ["ratio"]
+    rows_all, env = [], {}
+    with open(out / "kernels.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        for part in names:  # one part at a time: a killed run keeps what it measured
+            try:
+                rows, env = measure([part], gpu=gpu, quick=quick, reps=reps,
+                                    progress=lambda m: typer.echo(m, err=True))
+            except HardwareError as err:
+                _fail(str(err))
+                return
+            for r in rows:
+                w.writerow(r.as_dict())
+            fh.flush()
+            rows_all += rows
+    env.update(note=note, parts=names, reps=reps, quick=quick,
+               measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    (out / "env.json").write_text(json.dumps(env, indent=1))
+    typer.echo(f"{env.get('name')} (compared with class {env.get('catalogue_class')}), torch "
+               f"{env.get('torch')}: {len(rows_all)} rows -> {out / 'kernels.csv'}")
+    typer.echo(f"{'part':8s} {'shape':22s} {'method':6s} {'prec':5s} {'tok':>5s} {'E':>2s} "
+               f"{'P':>5s} {'meas ms':>9s} {'model ms':>9s} {'model/meas':>10s}  note")
+    for r in rows_all:
+        typer.echo(f"{r.part:8s} {r.shape:22s} {r.method:6s} {r.precision:5s} {r.tokens:5d} "
+                   f"{r.experts:2d} {r.positions:5d} {r.measured_ms:9.4f} {r.model_ms:9.4f} "
+                   f"{r.ratio:10.3f}  {r.note}")
 
 
 @app.command("calibrate-cpu")
