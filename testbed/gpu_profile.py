@@ -60,6 +60,7 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 QUICK_TOKENS = (1, 8, 64, 256, 1024)
 STEP_EXPERTS = (1, 2, 4, 8)
 STEP_TOKENS = (1, 16, 128)
+QWEN_STEP_EXPERTS = (1, 4, 16, 60)
 DENSE_TOKENS = (1, 8, 32, 128)
 DENSE_POSITIONS = (128, 1024, 4096)
 INT4_TOKENS = (1, 8, 64, 256)
@@ -93,7 +94,8 @@ class Row:
     positions: int
     measured_ms: float
     spread_ms: float  # max - min over repetitions
-    model_ms: float
+    model_ms: float  # the model's time, its launch term included
+    model_nolaunch_ms: float  # the same without the launch term (kernel time alone)
     note: str = ""
 
     @property
@@ -101,9 +103,13 @@ class Row:
         """model / measured: above 1 the model is pessimistic."""
         return self.model_ms / self.measured_ms if self.measured_ms > 0 else math.nan
 
+    @property
+    def ratio_nolaunch(self) -> float:
+        return self.model_nolaunch_ms / self.measured_ms if self.measured_ms > 0 else math.nan
+
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        d["ratio"] = self.ratio
+        d["ratio"], d["ratio_nolaunch"] = self.ratio, self.ratio_nolaunch
         return d
 
 
@@ -217,12 +223,13 @@ def measure_ffn(dev: torch.device, model: Device, shapes: dict[str, tuple[int, i
             calls = max(n, 16)
             fn = lambda i: run_ffn(x, *pool[i % n], gated)  # noqa: E731
             model_s = ffn_seconds(model, ffn, b, "fp16")
+            bare = model_s - 3 * model.launch_s
             med, spread = _summary(time_calls(fn, calls, reps, dev))
-            rows.append(Row("ffn", name, "eager", "fp16", b, 1, 0, med, spread, model_s * 1e3))
+            rows.append(Row("ffn", name, "eager", "fp16", b, 1, 0, med, spread, model_s * 1e3, bare * 1e3))
             if graphs and dev.type == "cuda":
                 med, spread = _summary(time_graph(fn, calls, reps))
-                rows.append(Row("ffn", name, "graph", "fp16", b, 1, 0, med, spread,
-                                (model_s - 3 * model.launch_s) * 1e3))
+                rows.append(Row("ffn", name, "graph", "fp16", b, 1, 0, med, spread, model_s * 1e3,
+                                bare * 1e3))
             progress(f"ffn {name} tokens={b}")
         del pool
         if dev.type == "cuda":
@@ -234,9 +241,11 @@ def measure_step(dev: torch.device, model: Device, reps: int, gen: torch.Generat
                  dtype: torch.dtype = torch.float16, shape: str = "mixtral-expert",
                  experts: Iterable[int] = STEP_EXPERTS, tokens: Iterable[int] = STEP_TOKENS
                  ) -> list[Row]:
-    """E distinct experts of b tokens back to back (the step rule's sum)."""
+    """E distinct experts of b tokens back to back (the step rule's sum), eagerly, as a
+    CUDA graph, and (on CUDA) as one grouped GEMM per matrix."""
     d, dff, gated = SHAPES[shape]
     ffn = FfnShape(d, dff, gated)
+    grouped = _grouped_row(dev, ffn, shape, reps) if dev.type == "cuda" else None
     experts = tuple(experts)
     emax = max(experts)
     sets = max(2, math.ceil(_pool_size(ffn.weight_bytes("fp16"), l2) / emax))
@@ -250,9 +259,51 @@ def measure_step(dev: torch.device, model: Device, reps: int, gen: torch.Generat
                 for j in range(e):
                     run_ffn(x, *pool[base + j], gated)
             model_s = e * ffn_seconds(model, ffn, b, "fp16")
+            bare = model_s - e * 3 * model.launch_s
             med, spread = _summary(time_calls(step, max(sets, 8), reps, dev))
-            rows.append(Row("step", shape, "eager", "fp16", b, e, 0, med, spread, model_s * 1e3))
+            rows.append(Row("step", shape, "eager", "fp16", b, e, 0, med, spread, model_s * 1e3, bare * 1e3))
+            if dev.type == "cuda":
+                med, spread = _summary(time_graph(step, max(sets, 8), reps))
+                rows.append(Row("step", shape, "graph", "fp16", b, e, 0, med, spread, model_s * 1e3,
+                                bare * 1e3))
+            if grouped is not None:
+                rows.append(grouped(pool, x, b, e, sets, emax, model_s, bare))
     return rows
+
+
+def _grouped_row(dev: torch.device, ffn: FfnShape, shape: str, reps: int
+                 ) -> Callable[..., Row]:
+    """One fused launch per matrix for all E experts of a step (``torch._grouped_mm``, BF16),
+    as fused-MoE kernels do: the same weights read, E x fewer launches."""
+    def row(pool, x, b, e, sets, emax, model_s, bare) -> Row:
+        try:
+            stacks = []
+            for k in range(sets):
+                ws = pool[k * emax:k * emax + e]
+                stacks.append((torch.stack([w[0] for w in ws]).to(torch.bfloat16),
+                               torch.stack([w[1] for w in ws]).to(torch.bfloat16)))
+            xs = x.to(torch.bfloat16).repeat(e, 1)
+            offs = torch.arange(1, e + 1, device=dev, dtype=torch.int32) * b
+
+            def step(i: int) -> torch.Tensor:
+                w_in, w_out = stacks[i % sets]
+                h = torch._grouped_mm(xs, w_in.transpose(-2, -1), offs=offs)
+                if ffn.gated:
+                    g, u = h.chunk(2, dim=-1)
+                    h = F.silu(g) * u
+                else:
+                    h = F.relu(h)
+                return torch._grouped_mm(h, w_out.transpose(-2, -1), offs=offs)
+
+            med, spread = _summary(time_graph(step, max(sets, 8), reps))
+            out = Row("step", shape, "grouped", "bf16", b, e, 0, med, spread, model_s * 1e3,
+                      bare * 1e3, "torch._grouped_mm, CUDA graph")
+            del stacks
+            return out
+        except Exception as err:  # an optional kernel: record why it is missing
+            return Row("step", shape, "grouped", "bf16", b, e, 0, math.nan, math.nan, model_s * 1e3,
+                       bare * 1e3, f"unavailable: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+    return row
 
 
 def measure_dense(dev: torch.device, model: Device, reps: int, gen: torch.Generator, l2: int,
@@ -293,12 +344,14 @@ def measure_dense(dev: torch.device, model: Device, reps: int, gen: torch.Genera
                 return logits.topk(spec.top_k, dim=-1).indices
 
             model_s = dense_seconds(model, shape, b, b * (p + 1), b * p)
+            bare = model_s - shape.dense_kernels * model.launch_s
             med, spread = _summary(time_calls(step, max(n, 16), reps, dev))
-            rows.append(Row("dense", spec.name, "eager", "fp16", b, 0, p, med, spread, model_s * 1e3))
+            rows.append(Row("dense", spec.name, "eager", "fp16", b, 0, p, med, spread, model_s * 1e3,
+                            bare * 1e3))
             if dev.type == "cuda":
                 med, spread = _summary(time_graph(step, max(n, 16), reps))
                 rows.append(Row("dense", spec.name, "graph", "fp16", b, 0, p, med, spread,
-                                (model_s - shape.dense_kernels * model.launch_s) * 1e3))
+                                model_s * 1e3, bare * 1e3))
             del caches
     return rows
 
@@ -336,13 +389,13 @@ def measure_int4(dev: torch.device, model: Device, reps: int, gen: torch.Generat
             for b in tokens:
                 x = _randn(gen, (b, d), dev, torch.bfloat16)
                 med, spread = _summary(time_calls(lambda i: run(x, i), max(n, 16), reps, dev))
-                rows.append(Row("int4", name, "eager", "int4", b, 1, 0, med, spread,
-                                ffn_seconds(model, ffn, b, "int4") * 1e3,
-                                "tinygemm W4A16 (bf16), group 128"))
+                m = ffn_seconds(model, ffn, b, "int4")
+                rows.append(Row("int4", name, "eager", "int4", b, 1, 0, med, spread, m * 1e3,
+                                (m - 3 * model.launch_s) * 1e3, "tinygemm W4A16 (bf16), group 128"))
             del pool
         except Exception as err:  # an optional kernel: record why it is missing
             rows.append(Row("int4", name, "eager", "int4", 0, 1, 0, math.nan, math.nan, math.nan,
-                            f"unavailable: {type(err).__name__}: {str(err).splitlines()[0][:160]}"))
+                            math.nan, f"unavailable: {type(err).__name__}: {str(err).splitlines()[0][:160]}"))
     return rows
 
 
@@ -355,7 +408,7 @@ def measure_ceilings(dev: torch.device, model: Device, pcie_gb_s: float, reps: i
     med, spread = _summary(time_calls(lambda i: b.copy_(a), 4, reps, dev))
     nbytes = 2.0 * a.numel() * 2
     rows.append(Row("ceiling", "copy d2d GB/s", "eager", "fp16", 0, 0, 0, med, spread,
-                    nbytes / model.mem_bw * 1e3, f"achieved {nbytes / med / 1e6:.0f} GB/s"))
+                    nbytes / model.mem_bw * 1e3, nbytes / model.mem_bw * 1e3, f"achieved {nbytes / med / 1e6:.0f} GB/s"))
     del a, b
     k = gemm
     x = _randn(gen, (k, k), dev, torch.float16)
@@ -363,7 +416,7 @@ def measure_ceilings(dev: torch.device, model: Device, pcie_gb_s: float, reps: i
     med, spread = _summary(time_calls(lambda i: x @ w, 4, reps, dev))
     flops = 2.0 * k ** 3
     rows.append(Row("ceiling", f"gemm {k}^3 TFLOP/s", "eager", "fp16", k, 0, 0, med, spread,
-                    flops / model.flops * 1e3, f"achieved {flops / med / 1e9:.0f} TFLOP/s"))
+                    flops / model.flops * 1e3, flops / model.flops * 1e3, f"achieved {flops / med / 1e9:.0f} TFLOP/s"))
     del x, w
     ffn = FfnShape(*SHAPES[load_shape])
     host = torch.randn(int(ffn.weight_bytes("fp16")) // 2,
@@ -374,7 +427,21 @@ def measure_ceilings(dev: torch.device, model: Device, pcie_gb_s: float, reps: i
     med, spread = _summary(time_calls(lambda i: devbuf.copy_(host, non_blocking=True), 2, reps, dev))
     model_ms = ffn.weight_bytes("fp16") / (pcie_gb_s * 1e9 * PCIE_EFFICIENCY) * 1e3
     rows.append(Row("ceiling", "h2d expert load GB/s", "eager", "fp16", 0, 1, 0, med, spread, model_ms,
-                    f"achieved {host.numel() * 2 / med / 1e6:.1f} GB/s (pinned)"))
+                    model_ms, f"achieved {host.numel() * 2 / med / 1e6:.1f} GB/s (pinned)"))
+    del host, devbuf
+    # the fixed cost of one small kernel: eagerly (PyTorch's dispatch on this host's CPU) and
+    # inside a CUDA graph; the model charges LAUNCH_S for each
+    a = _randn(gen, (8, 64), dev, torch.float16)
+    w = _randn(gen, (64, 64), dev, torch.float16)
+    calls = 200
+    for method, samples in (("eager", time_calls(lambda i: a @ w, calls, reps, dev)),
+                            ("graph", time_graph(lambda i: a @ w, calls, reps) if dev.type == "cuda"
+                             else None)):
+        if samples is None:
+            continue
+        med, spread = _summary(samples)
+        rows.append(Row("ceiling", "one small kernel", method, "fp16", 8, 0, 0, med, spread,
+                        model.launch_s * 1e3, 0.0, "[8,64]x[64,64]"))
     return rows
 
 
@@ -417,6 +484,8 @@ def measure(parts: Iterable[str], gpu: str | None = None, quick: bool = False, r
                 rows += measure_ffn(dev, model, SHAPES, tokens, reps, gen, l2, progress=progress)
             elif part == "step":
                 rows += measure_step(dev, model, reps, gen, l2)
+                rows += measure_step(dev, model, reps, gen, l2, shape="qwen-expert",
+                                     experts=QWEN_STEP_EXPERTS)
             elif part == "dense":
                 rows += measure_dense(dev, model, reps, gen, l2)
             elif part == "int4":

@@ -135,12 +135,12 @@ def measure_gpu(out: Path = typer.Option(..., help="folder for kernels.csv and e
     (out / "env.json").write_text(json.dumps(env, indent=1))
     typer.echo(f"{env.get('name')} (compared with class {env.get('catalogue_class')}), torch "
                f"{env.get('torch')}: {len(rows_all)} rows -> {out / 'kernels.csv'}")
-    typer.echo(f"{'part':8s} {'shape':22s} {'method':6s} {'prec':5s} {'tok':>5s} {'E':>2s} "
-               f"{'P':>5s} {'meas ms':>9s} {'model ms':>9s} {'model/meas':>10s}  note")
+    typer.echo(f"{'part':8s} {'shape':18s} {'method':7s} {'prec':4s} {'tok':>5s} {'E':>2s} "
+               f"{'P':>5s} {'meas ms':>8s} {'model':>8s} {'ratio':>6s} {'no-launch':>9s}  note")
     for r in rows_all:
-        typer.echo(f"{r.part:8s} {r.shape:22s} {r.method:6s} {r.precision:5s} {r.tokens:5d} "
-                   f"{r.experts:2d} {r.positions:5d} {r.measured_ms:9.4f} {r.model_ms:9.4f} "
-                   f"{r.ratio:10.3f}  {r.note}")
+        typer.echo(f"{r.part:8s} {r.shape[:18]:18s} {r.method:7s} {r.precision:4s} {r.tokens:5d} "
+                   f"{r.experts:2d} {r.positions:5d} {r.measured_ms:8.4f} {r.model_ms:8.4f} "
+                   f"{r.ratio:6.3f} {r.ratio_nolaunch:9.3f}  {r.note}")
 
 
 @app.command("calibrate-cpu")
