@@ -114,7 +114,7 @@ def measure_gpu(out: Path = typer.Option(..., help="folder for kernels.csv and e
     from .gpu_profile import Row, measure
     names = [p.strip() for p in parts.split(",") if p.strip()]
     out.mkdir(parents=True, exist_ok=True)
-    fields = [f.name for f in dataclasses.fields(Row)] + ["ratio"]
+    fields = [f.name for f in dataclasses.fields(Row)] + ["ratio", "ratio_nolaunch"]
     rows_all, env = [], {}
     with open(out / "kernels.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields)
