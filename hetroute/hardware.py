@@ -312,6 +312,12 @@ class FfnShape:
         return 2.0 * tokens * (2 * self.d_model + 2 * self.matrices * self.d_ff)
 
 
+def ffn_launches(dev: Device, ffn: FfnShape) -> int:
+    """Kernels ``ffn_seconds`` charges a launch for: a fused gate/up GEMM, the activation
+    and the down GEMM on a GPU; each GEMM and two element-wise kernels on a measured device."""
+    return ffn.matrices + 2 if dev.gemm_profile else 3
+
+
 def ffn_seconds(dev: Device, ffn: FfnShape, tokens: int, precision: str = "fp16") -> float:
     """Time of one FFN over ``tokens`` tokens: its weights are read once, whatever ``tokens``."""
     if tokens < 1:
@@ -325,6 +331,7 @@ def ffn_seconds(dev: Device, ffn: FfnShape, tokens: int, precision: str = "fp16"
         # activation (and the gate product): read and write d_ff values per token each
         ew = dev.act_bytes * tokens * ffn.d_ff * (3 if ffn.gated else 2)
         bw = dev.elementwise_bw or dev.mem_bw
-        return (ffn.matrices + 2) * dev.launch_s + up + down + ew / bw + dq / dev.alu
-    return dev.kernel_s(ffn.flops(tokens), wbytes + ffn.act_bytes(tokens), dq, kernels=3)
+        return ffn_launches(dev, ffn) * dev.launch_s + up + down + ew / bw + dq / dev.alu
+    return dev.kernel_s(ffn.flops(tokens), wbytes + ffn.act_bytes(tokens), dq,
+                        kernels=ffn_launches(dev, ffn))
 

@@ -15,7 +15,7 @@ The same classes serve two users that must stay apart: the backends' world
 
 from __future__ import annotations
 
-from .hardware import Device, ffn_seconds
+from .hardware import Device, ffn_launches, ffn_seconds
 from .system import Cluster, MoEShape, Precision
 
 MODELS = ("paper", "hardware")
@@ -61,6 +61,10 @@ class ServiceModel:
         """Moving one replica's weights from CPU to GPU memory."""
         raise NotImplementedError
 
+    def expert_launch_s(self, server: int) -> float:
+        """The launch part of ``expert_s`` (what a fused-MoE step pays once, not per replica)."""
+        return 0.0
+
     def marginal_s(self, server: int, precision: Precision, batch: int) -> float:
         """What one more token adds to a batch of ``batch`` tokens of one expert."""
         return self.expert_s(server, precision, batch + 1) - self.expert_s(server, precision, batch)
@@ -105,6 +109,10 @@ class HardwareService(ServiceModel):
             dev, ffn, label = self.devices[server], self.shape.expert_ffn, Precision(precision).label
             tab.extend(ffn_seconds(dev, ffn, b, label) for b in range(len(tab), tokens + 1))
         return tab[tokens]
+
+    def expert_launch_s(self, server: int) -> float:
+        dev = self.devices[server]
+        return ffn_launches(dev, self.shape.expert_ffn) * dev.launch_s
 
     def dense_s(self, server: int, tokens: int = 1, attn_positions: int = 0,
                 kv_positions: int = 0) -> float:

@@ -205,6 +205,11 @@ class EngineSpec(_Model):
     #: prompt left alone and started a one-token step at the next server, and the rest queued
     #: behind it, which made pipelines 1.3-1.5x slower and their means move 10-25% with a
     #: 2% change of the decision constant or 50 us of jitter per hop (README, "Dispatch").
+    moe_kernels: Literal["per_expert", "fused"] = Field(
+        "per_expert", description="how a step's experts launch: 'per_expert' (each active "
+        "replica's FFN launches its own kernels: a loop over experts; every published figure) "
+        "or 'fused' (one set of launches per precision per step, as grouped-GEMM MoE kernels). "
+        "Hardware physics only")
     dispatch: Literal["token", "step"] = Field(
         "step", description="'step': the tokens whose dense part ran in one step are decided, "
         "then leave together, one message per destination, and a step's partials to one "

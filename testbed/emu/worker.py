@@ -158,7 +158,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         sched = StepScheduler(self.core.world, self.rank, prec.__getitem__, self.residency.is_gpu,
                               scope="layer" if self.hardware else "replica",
                               max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
-                              on_execute=self.residency.on_execute)
+                              on_execute=self.residency.on_execute,
+                              moe_kernels=eng.moe_kernels)
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
                                     self.wall, self._log,
                                     self._flush_step if self.step_dispatch else None)

@@ -196,7 +196,8 @@ class SimBackend:
         self.sched = [StepScheduler(core.world, n, prec.__getitem__, self.residency[n].is_gpu,
                                     scope="layer" if self.hardware else "replica",
                                     max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
-                                    on_execute=_on_execute(self.residency[n]))
+                                    on_execute=_on_execute(self.residency[n]),
+                                    moe_kernels=eng.moe_kernels)
                       for n in range(N)]
         self.wake_at = [-1.0] * N  # a pending hold wake-up per stream
         self.kick_pending = [False] * N  # a step start queued at the current instant
