@@ -208,3 +208,23 @@ def test_kernel_command_bad_input_is_one_line_and_exit_2(args, expected):
     argv = ["hardware", "kernel", *args] + [x for kv in base.items() for x in kv]
     r = CliRunner().invoke(app, argv)
     assert r.exit_code == 2 and expected in r.output and r.output.count("\n") == 1, r.output
+
+
+def test_fused_moe_kernels_launch_once_per_precision_per_step():
+    svc, _ = _hw_service()
+    prec = {0: Precision.FP16, 1: Precision.FP16, 2: Precision.FP16, 3: Precision.INT4}.__getitem__
+    steps = {}
+    for kind in ("per_expert", "fused"):
+        sc = StepScheduler(svc, 0, prec, lambda r: True, scope="layer", moe_kernels=kind)
+        for r in range(4):
+            sc.submit(Job(0, r, r, r, 0, 0.0))
+        steps[kind] = sc.take(0.0).duration
+    # four replicas of two precisions: two launch sets saved, nothing else changes
+    assert steps["per_expert"] - steps["fused"] == pytest.approx(2 * svc.expert_launch_s(0))
+    assert svc.expert_launch_s(0) == 3 * svc.devices[0].launch_s
+    one = [StepScheduler(svc, 0, prec, lambda r: True, moe_kernels=k) for k in ("per_expert", "fused")]
+    for sc in one:
+        sc.submit(Job(0, 0, 0, 0, 0, 0.0))
+    assert one[0].take(0.0).duration == one[1].take(0.0).duration
+    with pytest.raises(ValueError, match="moe_kernels"):
+        StepScheduler(svc, 0, prec, lambda r: True, moe_kernels="grouped")
