@@ -24,6 +24,8 @@ Parts (each row of ``kernels.csv`` names its part):
   cached positions each (RMSNorm, QKV projection, appending to the KV cache,
   attention over the cache, output projection, residual, RMSNorm, router; no
   rotary embedding) against ``hetroute.service.dense_seconds``;
+- ``prefill``: a prompt step of R requests of L tokens through one Mixtral layer:
+  its dense part (causal attention) and the whole layer with its routed experts;
 - ``int4``: weight-only INT4 FFNs through PyTorch's tinygemm kernel
   (``torch._weight_int4pack_mm``, BF16 activations, groups of 128) where this
   PyTorch has it; a row with the error otherwise.
@@ -61,6 +63,8 @@ QUICK_TOKENS = (1, 8, 64, 256, 1024)
 STEP_EXPERTS = (1, 2, 4, 8)
 STEP_TOKENS = (1, 16, 128)
 QWEN_STEP_EXPERTS = (1, 4, 16, 60)
+PREFILL_REQUESTS = (1, 4, 16)
+PREFILL_LENGTHS = (36, 128)
 DENSE_TOKENS = (1, 8, 32, 128)
 DENSE_POSITIONS = (128, 1024, 4096)
 INT4_TOKENS = (1, 8, 64, 256)
@@ -356,6 +360,87 @@ def measure_dense(dev: torch.device, model: Device, reps: int, gen: torch.Genera
     return rows
 
 
+def _attention_layers(spec, dev: torch.device, dtype: torch.dtype, gen: torch.Generator, l2: int
+                      ) -> list[dict]:
+    """Weight sets of a layer's dense part (norms, QKV, output projection, router), enough
+    of them to rotate through so each step reads its weights from DRAM."""
+    d, E = spec.d_model, spec.experts_per_layer
+    q_out, kv_out = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    s = 1 / math.sqrt(d)
+    n = _pool_size(2.0 * (d * (q_out + 2 * kv_out) + q_out * d + E * d), l2)
+    return [{"ln1": torch.ones(d, device=dev, dtype=dtype), "ln2": torch.ones(d, device=dev, dtype=dtype),
+             "qkv": _randn(gen, (q_out + 2 * kv_out, d), dev, dtype, s),
+             "o": _randn(gen, (d, q_out), dev, dtype, s),
+             "router": _randn(gen, (E, d), dev, dtype, s)} for _ in range(n)]
+
+
+def measure_prefill(dev: torch.device, model: Device, reps: int, gen: torch.Generator, l2: int,
+                    model_name: str = "mixtral", requests: Iterable[int] = PREFILL_REQUESTS,
+                    lengths: Iterable[int] = PREFILL_LENGTHS, dtype: torch.dtype = torch.float16
+                    ) -> list[Row]:
+    """A prompt step of R requests of L tokens through one MoE layer, the paper's workload
+    (prompt only): the dense part (causal attention within each prompt), then the whole
+    layer with its routed experts (top-k, tokens spread evenly, gathered and scattered back).
+    Against ``dense_seconds`` and the step rule: dense + each active expert's kernel time,
+    with per-expert launches (``model_ms``) and fused ones (in ``note``)."""
+    spec = get_model(model_name)
+    shape = spec.shape()
+    ffn = shape.expert_ffn
+    d, hq, hkv, hd, E, k = (spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim,
+                            spec.experts_per_layer, spec.top_k)
+    q_out, kv_out = hq * hd, hkv * hd
+    layers = _attention_layers(spec, dev, dtype, gen, l2)
+    n = len(layers)
+    sets = max(2, math.ceil(_pool_size(ffn.weight_bytes("fp16"), l2) / E))
+    experts = [_ffn_weights(ffn, dtype, dev, gen) for _ in range(E * sets)]
+    timer = (lambda fn, calls: time_graph(fn, calls, reps)) if dev.type == "cuda" else (
+        lambda fn, calls: time_calls(fn, calls, reps, dev))
+    method = "graph" if dev.type == "cuda" else "eager"
+    rows = []
+    for L in lengths:
+        for R in requests:
+            T = R * L
+            x = _randn(gen, (T, d), dev, dtype)
+            # token t goes to experts t, t+1, .., t+k-1 (mod E): every expert gets T*k/E tokens
+            idx = [torch.tensor([t for t in range(T) if (e - t) % E < k], device=dev) for e in range(E)]
+
+            def dense(i: int, R: int = R, L: int = L, T: int = T) -> tuple[torch.Tensor, torch.Tensor]:
+                w = layers[i % n]
+                h = F.rms_norm(x, (d,), w["ln1"])
+                q, kk, v = F.linear(h, w["qkv"]).split((q_out, kv_out, kv_out), dim=-1)
+                q = q.view(R, L, hq, hd).transpose(1, 2)
+                kk = kk.view(R, L, hkv, hd).transpose(1, 2)
+                v = v.view(R, L, hkv, hd).transpose(1, 2)
+                a = F.scaled_dot_product_attention(q, kk, v, is_causal=True, enable_gqa=True)
+                x2 = x + F.linear(a.transpose(1, 2).reshape(T, q_out), w["o"])
+                h2 = F.rms_norm(x2, (d,), w["ln2"])
+                F.linear(h2, w["router"]).topk(k, dim=-1)
+                return x2, h2
+
+            def layer(i: int, idx: list = idx) -> torch.Tensor:
+                x2, h2 = dense(i)
+                base = (i % sets) * E
+                out = torch.zeros_like(x2)
+                for e in range(E):
+                    out.index_add_(0, idx[e], run_ffn(h2.index_select(0, idx[e]), *experts[base + e],
+                                                      ffn.gated))
+                return x2 + out
+
+            dense_s = dense_seconds(model, shape, T, R * L * (L + 1) // 2, T)
+            per = dense_s + E * ffn_seconds(model, ffn, T * k // E, "fp16")
+            fused = per - (E - 1) * 3 * model.launch_s
+            calls = max(n, sets, 8)
+            med, spread = _summary(timer(dense, calls))
+            rows.append(Row("prefill", f"{spec.name} dense", method, "fp16", T, 0, L, med, spread,
+                            dense_s * 1e3, (dense_s - shape.dense_kernels * model.launch_s) * 1e3,
+                            f"{R} requests x {L} tokens"))
+            med, spread = _summary(timer(layer, calls))
+            rows.append(Row("prefill", f"{spec.name} layer", method, "fp16", T, E, L, med, spread,
+                            per * 1e3, (per - (shape.dense_kernels + 3 * E) * model.launch_s) * 1e3,
+                            f"{R} requests x {L} tokens; fused rule {fused * 1e3:.4f} ms"))
+    return rows
+
+
 def measure_int4(dev: torch.device, model: Device, reps: int, gen: torch.Generator, l2: int,
                  shapes: Iterable[str] = ("mixtral-expert", "qwen-expert"),
                  tokens: Iterable[int] = INT4_TOKENS) -> list[Row]:
@@ -488,9 +573,11 @@ def measure(parts: Iterable[str], gpu: str | None = None, quick: bool = False, r
                                      experts=QWEN_STEP_EXPERTS)
             elif part == "dense":
                 rows += measure_dense(dev, model, reps, gen, l2)
+            elif part == "prefill":
+                rows += measure_prefill(dev, model, reps, gen, l2)
             elif part == "int4":
                 rows += measure_int4(dev, model, reps, gen, l2)
             else:
-                raise HardwareError(f"--parts: unknown part {part!r}; one of ceiling, ffn, step, dense, int4")
+                raise HardwareError(f"--parts: unknown part {part!r}; one of ceiling, ffn, step, dense, prefill, int4")
             progress(f"{part} done in {time.perf_counter() - t:.1f} s")
     return rows, env

@@ -102,7 +102,7 @@ def classes() -> None:
 def measure_gpu(out: Path = typer.Option(..., help="folder for kernels.csv and env.json"),
                 gpu: str | None = typer.Option(None, help="catalogue class to compare with "
                                                "(default: from the device's name)"),
-                parts: str = typer.Option("ceiling,ffn,step,dense,int4", help="comma-separated"),
+                parts: str = typer.Option("ceiling,ffn,step,dense,prefill,int4", help="comma-separated"),
                 quick: bool = typer.Option(False, help="five token counts instead of 13"),
                 reps: int = typer.Option(7, min=3, max=100, help="repetitions per point"),
                 note: str = typer.Option("", help="free text kept in env.json (e.g. the git revision)")
