@@ -1,7 +1,7 @@
 """The hardware model against kernels measured on a real GPU.
 
-``docs/measurements/h100-2026-11-27`` holds two runs of ``python -m testbed hardware
-measure-gpu`` on an H100 SXM (80 GB HBM3). These tests recompute the model's
+``docs/measurements/`` holds two runs of ``python -m testbed hardware measure-gpu``
+on each of an H100 SXM (80 GB HBM3) and an H200. These tests recompute the model's
 predictions with the code as it is now and hold them to what the GPU did, so a
 change of a constant or a rule that moves the model away from that hardware fails
 here. Bounds are the measured spread plus a margin, not tuned to pass: the README
@@ -24,22 +24,36 @@ from testbed.steps import Job, StepScheduler
 from topologies import parse_topology
 from workloads import get_model
 
-RECORD = Path(__file__).resolve().parent.parent / "docs" / "measurements" / "h100-2026-11-27"
+MEASUREMENTS = Path(__file__).resolve().parent.parent / "docs" / "measurements"
+#: record folder -> (the device's name, its catalogue class)
+RECORDS = {"h100-2026-11-27": ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+           "h200-2026-11-27": ("NVIDIA H200", "h200")}
 KEYS = ["part", "shape", "method", "precision", "tokens", "experts", "positions"]
 
 
-@pytest.fixture(scope="module")
-def rec() -> pd.DataFrame:
-    """Both runs, averaged per point (their graph timings agree within 1% at the median)."""
-    df = pd.concat([pd.read_csv(RECORD / f"kernels-run{k}.csv") for k in (1, 2)])
-    return df.groupby(KEYS, as_index=False).measured_ms.mean()
+def _load(name: str) -> tuple[pd.DataFrame, str]:
+    """Both runs, averaged per point (their graph timings agree within 1% at the median),
+    and the catalogue class the model predicts them with."""
+    folder = MEASUREMENTS / name
+    env = json.loads((folder / "env-run1.json").read_text())
+    assert (env["name"], env["catalogue_class"]) == RECORDS[name]
+    df = pd.concat([pd.read_csv(folder / f"kernels-run{k}.csv") for k in (1, 2)])
+    return df.groupby(KEYS, as_index=False).measured_ms.mean(), env["catalogue_class"]
+
+
+@pytest.fixture(scope="module", params=sorted(RECORDS))
+def record(request) -> tuple[pd.DataFrame, str]:
+    return _load(request.param)
 
 
 @pytest.fixture(scope="module")
-def dev() -> Device:
-    env = json.loads((RECORD / "env-run1.json").read_text())
-    assert env["name"] == "NVIDIA H100 80GB HBM3" and env["catalogue_class"] == "h100-sxm"
-    return Device.from_class(gpu_class(env["catalogue_class"]))
+def rec(record) -> pd.DataFrame:
+    return record[0]
+
+
+@pytest.fixture(scope="module")
+def dev(record) -> Device:
+    return Device.from_class(gpu_class(record[1]))
 
 
 def _ffn_ratio(rows: pd.DataFrame, dev: Device) -> pd.Series:
@@ -50,15 +64,15 @@ def _ffn_ratio(rows: pd.DataFrame, dev: Device) -> pd.Series:
 
 def test_large_experts_are_within_20_percent_while_memory_bound(rec, dev):
     """Mixtral's expert and Llama-2-7B's MLP (270-352 MB) as CUDA graphs: the weight read
-    the model charges is what the GPU does at 1-256 tokens; beyond, the roofline's max is
-    optimistic in and past the transition (measured 0.82-0.85)."""
+    the model charges is what the GPU does at 1-128 tokens; beyond, the roofline's max is
+    optimistic in and past the transition (measured 0.76-0.96)."""
     rows = rec[(rec.part == "ffn") & (rec.method == "graph")
                & rec["shape"].isin(["mixtral-expert", "llama2-7b-mlp"])]
     r = _ffn_ratio(rows, dev)
-    small = rows.tokens <= 256
+    small = rows.tokens <= 128
     assert len(r) == 26
     assert r[small].between(0.85, 1.20).all(), r[small].round(3).tolist()
-    assert r[~small].between(0.75, 0.95).all(), r[~small].round(3).tolist()
+    assert r[~small].between(0.72, 1.0).all(), r[~small].round(3).tolist()
 
 
 def test_every_ffn_shape_is_within_45_percent_as_a_cuda_graph(rec, dev):
@@ -70,7 +84,7 @@ def test_every_ffn_shape_is_within_45_percent_as_a_cuda_graph(rec, dev):
     assert r.between(0.75, 1.45).all(), rows.assign(r=r)[r.lt(0.75) | r.gt(1.45)].to_string()
 
 
-def test_a_decode_layers_dense_part_is_within_22_percent(rec, dev):
+def test_a_decode_layers_dense_part_is_within_25_percent(rec, dev):
     """RMSNorms, QKV, a KV-cache append, attention over 128-4096 cached positions, the
     output projection and the router, for 1-128 sequences, against dense_seconds."""
     shape = get_model("mixtral").shape()
@@ -79,14 +93,15 @@ def test_a_decode_layers_dense_part_is_within_22_percent(rec, dev):
              for b, p in zip(rows.tokens, rows.positions)]
     r = pd.Series(model, index=rows.index) / rows.measured_ms
     assert len(r) == 12
-    assert r.between(0.85, 1.22).all(), r.round(3).tolist()
+    assert r.between(0.80, 1.25).all(), r.round(3).tolist()
 
 
-def test_the_model_s_achieved_fractions_are_conservative_on_this_gpu(rec):
+def test_the_model_s_achieved_fractions_are_conservative_on_this_gpu(record):
     """Copy bandwidth, a large FP16 GEMM and pinned host-to-device copies reach more of
-    the datasheet than the global fractions assume (by 8-18% on this H100)."""
+    the datasheet than the global fractions assume (by 6-18% on these two GPUs)."""
+    rec, cls = record
     ceil = rec[(rec.part == "ceiling") & (rec.method == "eager")].set_index("shape").measured_ms
-    g = gpu_class("h100-sxm")
+    g = gpu_class(cls)
     copy_gb_s = 2 * 2.0 * (1 << 28) / (ceil["copy d2d GB/s"] / 1e3) / 1e9
     tflops = 2.0 * 8192 ** 3 / (ceil["gemm 8192^3 TFLOP/s"] / 1e3) / 1e12
     from hetroute.hardware import MEM_EFFICIENCY, TENSOR_EFFICIENCY
@@ -98,13 +113,13 @@ def test_the_model_s_achieved_fractions_are_conservative_on_this_gpu(rec):
     assert PCIE_EFFICIENCY < h2d / g.pcie_gb_s < PCIE_EFFICIENCY * 1.25
 
 
-def _step_s(model: str, experts: int, tokens: int, moe_kernels: str) -> float:
+def _step_s(cls: str, model: str, experts: int, tokens: int, moe_kernels: str) -> float:
     """The world's duration of one step of ``experts`` replicas with ``tokens`` tokens each
-    on an H100 server (the step rule of testbed/steps.py)."""
-    topo = parse_topology({"name": "h100x2", "servers": [
-        {"name": "a", "gpu": "h100-sxm", "cpu_mem_gb": 512}, {"name": "b", "gpu": "h100-sxm", "cpu_mem_gb": 512}],
+    on a server of class ``cls`` (the step rule of testbed/steps.py)."""
+    topo = parse_topology({"name": "two", "servers": [
+        {"name": "a", "gpu": cls, "cpu_mem_gb": 512}, {"name": "b", "gpu": cls, "cpu_mem_gb": 512}],
         "links": [{"src": "a", "dst": "b", "bandwidth_gbps": 10, "delay_ms": 1, "symmetric": True}]},
-        "h100x2.yaml")
+        "two.yaml")
     svc = HardwareService(topo.to_cluster(), get_model(model).shape())
     sc = StepScheduler(svc, 0, lambda r: Precision.FP16, lambda r: True, scope="layer",
                        moe_kernels=moe_kernels)
@@ -115,19 +130,43 @@ def _step_s(model: str, experts: int, tokens: int, moe_kernels: str) -> float:
 
 
 @pytest.mark.parametrize("model, shape", [("mixtral", "mixtral-expert"), ("qwen", "qwen-expert")])
-def test_the_step_rule_against_measured_steps_of_many_experts(rec, model, shape):
+def test_the_step_rule_against_measured_steps_of_many_experts(record, model, shape):
     """E different experts of b tokens each. Per-expert launches match experts run back to
     back as a CUDA graph; fused launches match grouped GEMMs, which Qwen's many small
     experts need (60 experts of one token: 0.41 ms grouped, 0.94 ms back to back)."""
+    rec, cls = record
     steps = rec[(rec.part == "step") & (rec["shape"] == shape)]
     seen = 0
     for (e, b), g in steps.groupby(["experts", "tokens"]):
         by = g.set_index("method").measured_ms
         best = min(by["graph"], by["grouped"])
-        per, fused = _step_s(model, e, b, "per_expert"), _step_s(model, e, b, "fused")
+        per, fused = _step_s(cls, model, e, b, "per_expert"), _step_s(cls, model, e, b, "fused")
         assert 0.8 < per / by["graph"] < 1.45, (e, b, per, by["graph"])
-        assert 0.7 < fused / best < 1.45, (e, b, fused, best)
+        # few experts: a grouped GEMM's fixed cost (~30 us) exceeds the launches the fused
+        # rule keeps, so it is up to 40% optimistic at four experts (H200)
+        assert 0.55 < fused / best < 1.45, (e, b, fused, best)
         if shape == "qwen-expert" and e == 60:  # the per-expert rule over-charges fused engines
             assert per / best > 2.5
+        seen += 1
+    assert seen == 12
+
+
+def test_a_prompt_step_through_a_whole_layer():
+    """R prompts of L tokens through Mixtral's dense part (causal attention) and then its
+    eight experts (top-2, gathered and scattered back, one expert after another): the
+    paper's workload. Measured on the H200 only (the part was added after the H100's lease)."""
+    rec, cls = _load("h200-2026-11-27")
+    rows = rec[rec.part == "prefill"]
+    dev = Device.from_class(gpu_class(cls))
+    shape = get_model("mixtral").shape()
+    seen = 0
+    for row in rows.itertuples():
+        L, T = int(row.positions), int(row.tokens)
+        dense = dense_seconds(dev, shape, T, T // L * L * (L + 1) // 2, T)
+        if row.shape.endswith("dense"):
+            assert 0.8 < dense * 1e3 / row.measured_ms < 1.05, row
+        else:
+            per = dense + 8 * ffn_seconds(dev, shape.expert_ffn, T * 2 // 8)
+            assert 0.72 < per * 1e3 / row.measured_ms < 1.1, row
         seen += 1
     assert seen == 12
