@@ -69,3 +69,17 @@ def test_measure_gpu_without_cuda_is_one_line_and_exit_2(tmp_path):
     res = CliRunner().invoke(app, ["hardware", "measure-gpu", "--out", str(tmp_path)])
     assert res.exit_code == 2
     assert "no CUDA device" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_prefill_rows_charge_the_dense_part_and_the_step_rule():
+    gen = torch.Generator().manual_seed(0)
+    rows = gp.measure_prefill(torch.device("cpu"), H100, 3, gen, 1 << 16, model_name="switch",
+                              requests=(2,), lengths=(4,), dtype=torch.float32)
+    spec = get_model("switch")
+    shape = spec.shape()
+    dense = dense_seconds(H100, shape, 8, 2 * 4 * 5 // 2, 8)
+    per = dense + 8 * ffn_seconds(H100, shape.expert_ffn, 8 * spec.top_k // 8)
+    assert [(r.shape, r.tokens, r.positions) for r in rows] == [
+        ("switch-base-8 dense", 8, 4), ("switch-base-8 layer", 8, 4)]
+    assert rows[0].model_ms == pytest.approx(dense * 1e3)
+    assert rows[1].model_ms == pytest.approx(per * 1e3) and rows[1].measured_ms > 0
