@@ -37,7 +37,8 @@ def _load(name: str) -> tuple[pd.DataFrame, str]:
     folder = MEASUREMENTS / name
     env = json.loads((folder / "env-run1.json").read_text())
     assert (env["name"], env["catalogue_class"]) == RECORDS[name]
-    df = pd.concat([pd.read_csv(folder / f"kernels-run{k}.csv") for k in (1, 2)])
+    files = [folder / f"kernels-run{k}.csv" for k in (1, 2)] + sorted(folder.glob("prefill-run*.csv"))
+    df = pd.concat([pd.read_csv(f) for f in files])
     return df.groupby(KEYS, as_index=False).measured_ms.mean(), env["catalogue_class"]
 
 
@@ -151,11 +152,11 @@ def test_the_step_rule_against_measured_steps_of_many_experts(record, model, sha
     assert seen == 12
 
 
-def test_a_prompt_step_through_a_whole_layer():
+def test_a_prompt_step_through_a_whole_layer(record):
     """R prompts of L tokens through Mixtral's dense part (causal attention) and then its
     eight experts (top-2, gathered and scattered back, one expert after another): the
-    paper's workload. Measured on the H200 only (the part was added after the H100's lease)."""
-    rec, cls = _load("h200-2026-11-27")
+    paper's workload."""
+    rec, cls = record
     rows = rec[rec.part == "prefill"]
     dev = Device.from_class(gpu_class(cls))
     shape = get_model("mixtral").shape()
