@@ -153,6 +153,18 @@ def test_a_failing_kernel_fails_its_jobs_and_the_stream_keeps_serving():
     assert "boom" in errs[0] and errs[1] == ""
 
 
+def test_each_steps_real_kernel_time_is_recorded_beside_its_modeled_time():
+    def slow(r, x):  # 15 ms of real compute in a step padded to T x 2e-4 s = 10 ms
+        time.sleep(0.015)
+        return x
+    s, done = _run([(0.0, 0), (0.1, 1)], kernel=slow, horizon=0.3)
+    assert len(done) == 2 and len(s.stats.kernel) == 2
+    for modeled, wall in s.stats.kernel:
+        assert modeled == pytest.approx(COMP) and 0.015 <= wall < 0.05
+    # the worker's compute outlasted its padding: the flag's input
+    assert all(wall > modeled * T for modeled, wall in s.stats.kernel)
+
+
 def test_late_releases_are_measured_not_hidden():
     loop = precise_loop()
     done = []

@@ -49,3 +49,13 @@ def test_lateness_flags_say_their_units():
         {"rank": 0, "late_over_tolerance": 174, "release_late_p99_ms": 7.94}]})["flags"]
     assert flags == ["w0: 174 releases late beyond 5% of their service time (p99 7.94 ms of "
                      "wall time = 0.248 ms emulated at T=32)"]
+
+
+def test_a_worker_whose_kernels_outlast_their_padding_is_flagged():
+    from testbed.emu.backend import fidelity_summary
+    ok = fidelity_summary({"dilation": 32, "workers": [
+        {"rank": 1, "kernel_over_padding": 0, "kernel_padding_share_p99": 0.4}]})["flags"]
+    bad = fidelity_summary({"dilation": 32, "workers": [
+        {"rank": 1, "kernel_over_padding": 3, "kernel_padding_share_p99": 1.7}]})["flags"]
+    assert ok == [] and len(bad) == 1 and bad[0].startswith("w1: 3 steps whose real kernels")
+    assert "p99 1.70" in bad[0]

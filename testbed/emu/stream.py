@@ -47,6 +47,10 @@ class StreamStats:
     kernel_errors: int = 0
     late: list[float] = field(default_factory=list)  # release lateness per step, wall s
     service: list[tuple[float, float]] = field(default_factory=list)  # (modeled, realised) model s
+    #: (modeled step model s, wall s the step's real kernels took): how much of the padding
+    #: T x modeled the worker's own compute uses (on CUDA with full-size experts, measured
+    #: kernel time against the model's)
+    kernel: list[tuple[float, float]] = field(default_factory=list)
 
 
 class ModeledStream:
@@ -61,6 +65,7 @@ class ModeledStream:
         #: step released together leaves together (``engine.dispatch: step``)
         self.on_step_done = on_step_done
         self.sched, self.kernel, self.on_done = scheduler, kernel, on_done
+        self.cuda = torch.cuda.is_available()  # kernels are asynchronous there: sync to time them
         self.now, self.wall, self.log = now, wall, log
         self.free_at = 0.0  # model time the stream is free
         self.stats = StreamStats()
@@ -113,6 +118,7 @@ class ModeledStream:
         for j in step.jobs:
             if j.replica != DENSE:
                 groups.setdefault(j.replica, []).append(j)
+        t0 = time.perf_counter()
         for r, jobs in groups.items():
             try:  # one batched kernel per replica, as a fused MoE step runs it
                 out = self.kernel(r, torch.stack([j.owner.x for j in jobs]))
@@ -123,6 +129,10 @@ class ModeledStream:
                 self.log(f"kernel of replica {r} failed: {err!r}")
                 for j in jobs:
                     j.owner.error = repr(err)
+        if groups:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.stats.kernel.append((step.duration, time.perf_counter() - t0))
         end = start + step.duration
         self.free_at = end
         self.stats.batches += 1

@@ -222,6 +222,9 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         late = np.array(st.late) if st.late else np.zeros(1)
         svc = np.array(st.service) if st.service else np.zeros((1, 2))
         rel = svc[:, 1] / np.maximum(svc[:, 0], 1e-12)
+        kern = np.array(st.kernel) if st.kernel else np.zeros((1, 2))
+        # the real kernels' wall time as a share of the step's padding T x modeled
+        use = kern[:, 1] / np.maximum(kern[:, 0] * self.T, 1e-12)
         return {**self.stats, "rank": self.rank, "batches": st.batches, "jobs": st.jobs,
                 "dq_misreported": self.core.dq_misreported,
                 "kernel_errors": st.kernel_errors,
@@ -231,6 +234,11 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "release_late_max_ms": float(late.max() * 1e3),
                 "late_over_tolerance": int((late > RELEASE_LATE_REL * np.maximum(svc[:, 0] * self.T, 1e-4)).sum()),
                 "service_ratio_p50": float(np.median(rel)), "service_ratio_p99": float(np.percentile(rel, 99)),
+                "kernel_wall_ms_p50": float(np.median(kern[:, 1]) * 1e3),
+                "kernel_wall_ms_p99": float(np.percentile(kern[:, 1], 99) * 1e3),
+                "kernel_padding_share_p50": float(np.median(use)),
+                "kernel_padding_share_p99": float(np.percentile(use, 99)),
+                "kernel_over_padding": int((use > 1.0).sum()),
                 "decisions": len(self.decision_cpu),
                 "router_warmup_ms": getattr(self, "router_warmup_s", 0.0) * 1e3,
                 "decision_cpu_us_mean": float(np.mean(self.decision_cpu) * 1e6) if self.decision_cpu else 0.0,
