@@ -77,6 +77,9 @@ def test_small3_smoke_run_completes_with_fidelity_table(tmp_path: Path) -> None:
     # reported with its size), never drops, wire errors or a hit drain cap
     assert not [f for f in fid["flags"] if "late" not in f], fid["flags"]
     assert all("release_late_p99_ms" in w for w in fid["detail"]["workers"])
+    # each step's real kernels are timed beside its padding T x modeled
+    assert all(w["kernel_wall_ms_p50"] > 0 and w["kernel_padding_share_p50"] > 0
+               for w in fid["detail"]["workers"] if w["batches"])
     assert res.info["stats"]["dilation"] >= 10 and res.info["stats"]["requests_unrecorded"] == 0
 
 

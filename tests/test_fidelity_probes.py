@@ -53,8 +53,8 @@ def test_lateness_flags_say_their_units():
 
 def test_a_worker_whose_kernels_outlast_their_padding_is_flagged():
     from testbed.emu.backend import fidelity_summary
-    ok = fidelity_summary({"dilation": 32, "workers": [
-        {"rank": 1, "kernel_over_padding": 0, "kernel_padding_share_p99": 0.4}]})["flags"]
+    ok = fidelity_summary({"dilation": 32, "workers": [  # a step now and then is host noise
+        {"rank": 1, "kernel_over_padding": 2, "kernel_padding_share_p99": 0.45}]})["flags"]
     bad = fidelity_summary({"dilation": 32, "workers": [
         {"rank": 1, "kernel_over_padding": 3, "kernel_padding_share_p99": 1.7}]})["flags"]
     assert ok == [] and len(bad) == 1 and bad[0].startswith("w1: 3 steps whose real kernels")
