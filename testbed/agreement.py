@@ -197,9 +197,9 @@ class PointComparison:
     cut_s: float | None  # emulated seconds at which the (first cut) emulated run stopped
     measured: int  # requests arriving in the measured window, summed over the seeds
     check: Comparison  # emu (measured) against sim (reference), the sim cut at cut_s
-    #: per pooled seed: (seed, emulated mean ms, simulated mean ms), the spread a pooled
-    #: check averages over
-    per_seed: list[tuple[int, float, float]] = field(default_factory=list)
+    #: per pooled seed: (seed, emulated mean ms, simulated mean ms, emulated token-layers
+    #: done, simulated token-layers done by the cut), the spread a pooled check averages over
+    per_seed: list[tuple[int, float, float, int, int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -223,11 +223,11 @@ def cut_records(tl: pd.DataFrame, rq: pd.DataFrame, cut_s: float | None
 def compare_seeds(router: str, runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame],
                                                 tuple[pd.DataFrame, pd.DataFrame], float | None]],
                   warmup_s: float, duration_s: float, dilation: float | None = None
-                  ) -> tuple[int, Comparison, list[tuple[int, float, float]]]:
+                  ) -> tuple[int, Comparison, list[tuple[int, float, float, int, int]]]:
     """Seeds' emulated records (as recorded) against their simulated ones, each simulated
     run cut where its emulated run stopped, pooled: how many requests the window measures
     over all seeds, the pooled check, and each seed's (index, emulated mean ms, simulated
-    mean ms)."""
+    mean ms, emulated and simulated token-layers done by the cut)."""
     emu, sim, cuts, per_seed, n_all = [], [], [], [], 0
     for k, (e, s, cut) in enumerate(runs):
         le, n, we = _measure(*e, None, warmup_s, duration_s)
@@ -237,7 +237,7 @@ def compare_seeds(router: str, runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame
         cuts.append(cut)
         n_all += n
         mean = lambda x: round(float(x.mean() * 1e3), 1) if x.size else float("nan")  # noqa: E731
-        per_seed.append((k, mean(le), mean(ls)))
+        per_seed.append((k, mean(le), mean(ls), we, ws))
     side = lambda parts, d: Side(np.concatenate([p[0] for p in parts]), d, cuts,  # noqa: E731
                                  sum(p[1] for p in parts))
     return n_all, _compare("emu/sim", router, side(emu, dilation), side(sim, None), len(runs)), per_seed
@@ -298,7 +298,7 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
             dil = dil if dil is not None else stats.get("dilation")
         w = base.workload
         measured_n, check, per = compare_seeds(base.router.name, pairs, w.warmup_s, w.duration_s, dil)
-        per_seed = [(runs[k][1].seed, e, m) for k, e, m in per]
+        per_seed = [(runs[k][1].seed, *rest) for k, *rest in per]
         name = (str(have[0][0].relative_to(sweep_dir)) if len(runs) == 1 else
                 f"{rel}/seeds {','.join(str(r[1].seed) for r in runs)}")
         first_cut = next((c for c in cuts if c is not None), None)
@@ -313,6 +313,18 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b and b == b else float("nan")
 
 
+def seed_spread(per_seed: list[tuple[int, float, float, int, int]], cut: bool) -> str:
+    """The range of the seeds' own mean ratios; where fewer than two seeds have both means
+    and the run was cut (an overloaded point), the range of their work ratios, marked 'w'."""
+    means = [e / m for _, e, m, _, _ in per_seed if e == e and m == m and m]
+    if len(means) > 1:
+        return f"{min(means):.2f}-{max(means):.2f}"
+    work = [a / b for _, _, _, a, b in per_seed if b]
+    if cut and len(work) > 1:
+        return f"w {min(work):.2f}-{max(work):.2f}"
+    return "-"
+
+
 def format_points(rows: list[PointComparison]) -> str:
     tm, tp = TOL["emu/sim"]
     lines = [f"{'router':13} {'req/s':>5} {'T':>4} {'cut s':>5} {'finished':>10} {'mean ms (emu/sim)':>19} "
@@ -320,8 +332,7 @@ def format_points(rows: list[PointComparison]) -> str:
              f"{'seeds':>5} {'seed ratios':>11}  ok"]
     for r in rows:
         c = r.check
-        ratios = [e / m for _, e, m in r.per_seed if e == e and m == m and m]
-        spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
+        spread = seed_spread(r.per_seed, r.cut_s is not None)
         lines.append(
             f"{c.router:13} {r.rate_per_s:5g} {str(c.dilation[0] or '-'):>4} "
             f"{'-' if r.cut_s is None else f'{r.cut_s:.2f}':>5} "
@@ -334,5 +345,6 @@ def format_points(rows: list[PointComparison]) -> str:
                  f"token-layers done by the cut {TOL_WORK:.0%} (where a run was cut); 'cut s': the "
                  f"emulated second at which the emulated run reached its drain cap (emu.max_drain_s), "
                  f"where the simulator's records are cut too; 'seed ratios': the "
-                 f"range of the pooled seeds' own mean ratios")
+                 f"range of the pooled seeds' own mean ratios, or of their token-layer ratios "
+                 f"('w') where fewer than two seeds finish requests in a cut run")
     return "\n".join(lines)

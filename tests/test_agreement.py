@@ -139,7 +139,7 @@ def test_agree_sweep_pools_a_points_seeds_and_runs_the_missing_ones(tmp_path, mo
     assert row.point == "name=edgeshard/seeds 0,2,1" and row.check.seeds == 3
     assert [p[0] for p in row.per_seed] == [0, 2, 1]
     # stand-ins and twins are the same runs: every seed agrees exactly, the pool too
-    assert all(e == m for _, e, m in row.per_seed) and row.ok
+    assert all(e == m and a == b > 0 for _, e, m, a, b in row.per_seed) and row.ok
     sizes = [_side(parse_spec({**SPEC, "seed": s}), 1, tmp_path / "twins" / "name=edgeshard",
                    f"seed{s}").latency_s.size for s in (0, 1, 2)]
     assert row.check.requests == (sum(sizes), sum(sizes)) and row.measured >= sum(sizes)
@@ -148,3 +148,14 @@ def test_agree_sweep_pools_a_points_seeds_and_runs_the_missing_ones(tmp_path, mo
     ran.clear()
     sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False, seeds=3)
     assert ran == []  # everything reused
+
+
+
+def test_seed_spread_shows_work_ratios_where_an_overloaded_point_finishes_nothing():
+    from testbed.agreement import seed_spread
+    nan = float("nan")
+    assert seed_spread([(0, 110.0, 100.0, 5, 5), (1, 90.0, 100.0, 5, 5)], cut=False) == "0.90-1.10"
+    over = [(0, nan, nan, 17243, 18058), (1, nan, nan, 17102, 20221), (2, nan, nan, 15535, 15467)]
+    assert seed_spread(over, cut=True) == "w 0.85-1.00"
+    assert seed_spread(over, cut=False) == "-"  # not cut: the work is all of it on both sides
+    assert seed_spread(over[:1], cut=True) == "-"
