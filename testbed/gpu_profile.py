@@ -37,6 +37,7 @@ several repetitions, random (never zero) data.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -80,9 +81,10 @@ NAME_TO_CLASS = (
 
 
 def class_for(device_name: str) -> str:
-    """The catalogue class of a CUDA device name; HardwareError when none matches."""
+    """The catalogue class of a CUDA device name; HardwareError when none matches. A model
+    name matches as a whole word, so an L40S is not taken for an L4."""
     for sub, cls in NAME_TO_CLASS:
-        if sub.lower() in device_name.lower():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(sub)}(?![A-Za-z0-9])", device_name, re.I):
             return cls
     raise HardwareError(f"no catalogue class matches GPU {device_name!r}; pass --gpu CLASS")
 

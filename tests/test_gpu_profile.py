@@ -19,14 +19,17 @@ H100 = Device.from_class(gpu_class("h100-sxm"))
 
 @pytest.mark.parametrize("name, cls", [("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
                                        ("NVIDIA A100-SXM4-80GB", "a100-80"), ("NVIDIA A10", "a10"),
-                                       ("NVIDIA H200", "h200"), ("NVIDIA GeForce RTX 3090", "rtx3090")])
+                                       ("NVIDIA H200", "h200"), ("NVIDIA GeForce RTX 3090", "rtx3090"),
+                                       ("Tesla T4", "t4"), ("Tesla V100-PCIE-32GB", "v100"),
+                                       ("NVIDIA A100-PCIE-40GB", "a100-40"), ("NVIDIA A30", "a30")])
 def test_device_names_map_to_their_catalogue_class(name, cls):
     assert gp.class_for(name) == cls
 
 
-def test_an_unknown_device_asks_for_a_class():
+@pytest.mark.parametrize("name", ["Some Future Accelerator", "NVIDIA L40S", "NVIDIA A800"])
+def test_an_unknown_device_asks_for_a_class(name):
     with pytest.raises(HardwareError, match="--gpu CLASS"):
-        gp.class_for("Some Future Accelerator")
+        gp.class_for(name)
 
 
 def test_ffn_rows_carry_the_model_with_and_without_launches():
