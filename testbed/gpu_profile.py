@@ -319,18 +319,10 @@ def measure_dense(dev: torch.device, model: Device, reps: int, gen: torch.Genera
     """One decode step's dense part for b sequences with P cached positions each."""
     spec = get_model(model_name)
     shape = spec.shape()
-    d, hq, hkv, hd, E = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.experts_per_layer
+    d, hq, hkv, hd = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
     q_out, kv_out = hq * hd, hkv * hd
-
-    def layer() -> dict:
-        s = 1 / math.sqrt(d)
-        mk = lambda *sz: _randn(gen, sz, dev, dtype, s)  # noqa: E731
-        return {"ln1": torch.ones(d, device=dev, dtype=dtype), "ln2": torch.ones(d, device=dev, dtype=dtype),
-                "qkv": mk(q_out + 2 * kv_out, d), "o": mk(d, q_out), "router": mk(E, d)}
-
-    wbytes = 2.0 * (d * (q_out + 2 * kv_out) + q_out * d + E * d)
-    n = _pool_size(wbytes, l2)
-    layers = [layer() for _ in range(n)]
+    layers = _attention_layers(spec, dev, dtype, gen, l2)
+    n = len(layers)
     rows = []
     for p in positions:
         for b in tokens:

@@ -65,7 +65,6 @@ class ModeledStream:
         #: step released together leaves together (``engine.dispatch: step``)
         self.on_step_done = on_step_done
         self.sched, self.kernel, self.on_done = scheduler, kernel, on_done
-        self.cuda = torch.cuda.is_available()  # kernels are asynchronous there: sync to time them
         self.now, self.wall, self.log = now, wall, log
         self.free_at = 0.0  # model time the stream is free
         self.stats = StreamStats()
@@ -130,7 +129,7 @@ class ModeledStream:
                 for j in jobs:
                     j.owner.error = repr(err)
         if groups:
-            if self.cuda:
+            if torch.cuda.is_initialized():  # a bank on CUDA runs asynchronously: sync to time it
                 torch.cuda.synchronize()
             self.stats.kernel.append((step.duration, time.perf_counter() - t0))
         end = start + step.duration
