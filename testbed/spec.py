@@ -205,11 +205,15 @@ class EngineSpec(_Model):
     #: prompt left alone and started a one-token step at the next server, and the rest queued
     #: behind it, which made pipelines 1.3-1.5x slower and their means move 10-25% with a
     #: 2% change of the decision constant or 50 us of jitter per hop (README, "Dispatch").
+    #: ``fused`` is what vLLM/SGLang's fused-MoE kernels pay, measured on an H100 and an H200
+    #: (README, "Measured on a real GPU"): the default since 2026-11-27; ``per_expert`` was
+    #: the rule of every figure before, and over-charges a step of many small experts (60
+    #: Qwen experts of one token: 1.31 ms by the per-expert rule, 0.41 ms measured grouped).
     moe_kernels: Literal["per_expert", "fused"] = Field(
-        "per_expert", description="how a step's experts launch: 'per_expert' (each active "
-        "replica's FFN launches its own kernels: a loop over experts; every published figure) "
-        "or 'fused' (one set of launches per precision per step, as grouped-GEMM MoE kernels). "
-        "Hardware physics only")
+        "fused", description="how a step's experts launch: 'fused' (one set of launches per "
+        "precision per step, as grouped-GEMM MoE kernels) or 'per_expert' (each active "
+        "replica's FFN launches its own kernels: a loop over experts; the rule before "
+        "2026-11-27). Hardware physics only")
     dispatch: Literal["token", "step"] = Field(
         "step", description="'step': the tokens whose dense part ran in one step are decided, "
         "then leave together, one message per destination, and a step's partials to one "

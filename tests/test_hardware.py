@@ -48,9 +48,9 @@ def test_int4_reads_a_quarter_of_fp16_bytes_and_pays_dequantisation():
     assert ffn_seconds(A40, ffn, 4096, "int4") > ffn_seconds(A40, ffn, 4096, "fp16")
 
 
-def _sched(svc, resident=lambda r: True, precisions=None):
+def _sched(svc, resident=lambda r: True, precisions=None, moe_kernels="fused"):
     prec = precisions or (lambda r: Precision.FP16)
-    return StepScheduler(svc, 0, prec, resident, scope="layer")
+    return StepScheduler(svc, 0, prec, resident, scope="layer", moe_kernels=moe_kernels)
 
 
 def _hw_service(topology="small3"):
@@ -58,9 +58,10 @@ def _hw_service(topology="small3"):
     return HardwareService(cl, MIXTRAL), cl
 
 
-def test_a_step_costs_the_sum_of_its_replicas_batched_kernels_plus_the_dense_part():
+@pytest.mark.parametrize("kind", ["per_expert", "fused"])
+def test_a_step_costs_the_sum_of_its_replicas_batched_kernels_plus_the_dense_part(kind):
     svc, _ = _hw_service()
-    sc = _sched(svc)
+    sc = _sched(svc, moe_kernels=kind)
     for tok in range(5):  # five tokens: replica 0 gets all, replica 1 two of them
         sc.submit(Job(3, 0, tok, tok, 0, 0.0))
         if tok < 2:
@@ -69,7 +70,9 @@ def test_a_step_costs_the_sum_of_its_replicas_batched_kernels_plus_the_dense_par
     step = sc.take(0.0)
     fp16 = Precision.FP16
     expected = svc.expert_s(0, fp16, 5) + svc.expert_s(0, fp16, 2) + svc.dense_s(0, 1, 5, 5)
-    assert step.duration == pytest.approx(expected)
+    if kind == "fused":  # the two FP16 replicas share one set of launches
+        expected -= svc.expert_launch_s(0)
+    assert step.duration == pytest.approx(expected, rel=1e-12)
     assert step.replicas == 2 and step.tokens == 6 and len(step.jobs) == 8
     assert not sc.queue and sc.backlog(0.0) == pytest.approx(expected)  # the running step
 
@@ -228,3 +231,28 @@ def test_fused_moe_kernels_launch_once_per_precision_per_step():
     assert one[0].take(0.0).duration == one[1].take(0.0).duration
     with pytest.raises(ValueError, match="moe_kernels"):
         StepScheduler(svc, 0, prec, lambda r: True, moe_kernels="grouped")
+
+
+@pytest.mark.parametrize("kind", ["per_expert", "fused"])
+def test_published_backlog_is_the_queued_steps_cost_under_either_launch_rule(kind):
+    """What a server publishes (its queued work) is what the steps will take, so a
+    router reading it under ``fused`` is not told 15 us per further replica too much."""
+    svc, _ = _hw_service()
+    prec = {0: Precision.FP16, 1: Precision.FP16, 2: Precision.FP16, 3: Precision.INT4,
+            4: Precision.INT4, DENSE: Precision.FP16}.__getitem__
+    sc = StepScheduler(svc, 0, prec, lambda r: r != 4, scope="layer", max_batch_tokens=3,
+                       moe_kernels=kind)
+    for tok in range(5):  # two layers; layer 0 holds 5 tokens over a cap of 3 (a partial take)
+        for r in (tok % 3, 3, 4) if tok % 2 else (tok % 3, DENSE):
+            sc.submit(Job(0, r, tok, tok, tok, float(tok) * 1e-6, prio=float(tok)))
+        sc.submit(Job(1, (tok + 1) % 5, tok, tok, 0, 0.0, prio=10.0 + tok))
+    whole = 0
+    while sc.queue:
+        before, queued = sc.queued_s, len(sc.queue[sc._next_key()])
+        step = sc.take(1.0)
+        sc.finish()
+        if len(step.jobs) == queued:  # a whole layer: its estimate was exactly this step
+            whole += 1
+            assert sc.queued_s == pytest.approx(before - step.duration, abs=1e-12), step.layer
+    assert sc.steps == 4 and whole == 2  # the cap split each layer once
+    assert sc.queued_s == 0.0

@@ -48,9 +48,13 @@ STEP_TCP = "ce39323dde50f3e0320e27f558a6a6fe150d6df8029141d11399aff927e534de"
 #: is the step rule's with TCP's window and views and feedback that cross the links
 #: (``net.control: links``, the emulator's rule and now the default).
 LINKS = "afc5d3bfb94ffecda568411c2ed61f4d4c882a526b54c38251b5f76bf326a032"
+#: All of the above launch each replica's kernels (``engine.moe_kernels: per_expert``, the
+#: default until 2026-11-27); ``FUSED`` is ``LINKS`` with one set of launches per precision
+#: per step (``fused``, the default since): the step times and the published backlogs move.
+FUSED = "a306a05e48d15a7c73146c4e0aef8309ed0d4ce137dccd473aae912218c3304d"
 
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
-        "engine": {"decision_s": 0, "dispatch": "token"},
+        "engine": {"decision_s": 0, "dispatch": "token", "moe_kernels": "per_expert"},
         "workload": {"rate_per_s": 40, "duration_s": 0.25, "warmup_s": 0.0,
                      "gen_tokens": 0, "calibration_tokens": 64}}  # the digests are prompt-only
 
@@ -68,7 +72,8 @@ def digest(*frames: pd.DataFrame) -> str:
 
 
 def run_digests(drop: list[str] | None = None, dispatch: str = "token",
-                transport: str = "ideal", control: str = "instant") -> dict[str, str]:
+                transport: str = "ideal", control: str = "instant",
+                moe_kernels: str = "per_expert") -> dict[str, str]:
     """Both physics on one placement (the world's physics does not enter the placement);
     ``drop``: request-table columns left out of the digest."""
     base = build_setup(parse_spec({**SPEC, "physics": "hardware"}))
@@ -76,7 +81,7 @@ def run_digests(drop: list[str] | None = None, dispatch: str = "token",
     for physics in ("hardware", "paper"):
         setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides(
             {"physics": physics, "engine.dispatch": dispatch, "net.transport": transport,
-             "net.control": control})))
+             "net.control": control, "engine.moe_kernels": moe_kernels})))
         writer = RecordWriter(None, setup.shape.top_k)
         SimBackend(setup, writer).run()
         writer.close()
@@ -112,6 +117,13 @@ def test_control_over_links_changes_the_hardware_world_only():
     assert got["hardware"] == LINKS, f"the records over links changed: {got['hardware']}"
 
 
+def test_fused_launches_change_the_hardware_world_only():
+    got = run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused")
+    assert got["paper"] == GOLDEN["paper"], "the paper's world runs a replica per step"
+    assert got["hardware"] != LINKS, "no step held two replicas of a precision here"
+    assert got["hardware"] == FUSED, f"the fused world's records changed: {got['hardware']}"
+
+
 def test_batched_request_routing_equals_routing_each_request_alone():
     """``route_many`` (the simulator's batches) against ``route`` request by request,
     with decode tokens and several tasks: the same experts and weights."""
@@ -135,4 +147,6 @@ def test_batched_request_routing_equals_routing_each_request_alone():
 if __name__ == "__main__":  # pragma: no cover - prints the digests to record
     print(run_digests(), run_digests(dispatch="step")["hardware"],
           run_digests(dispatch="step", transport="tcp")["hardware"],
-          run_digests(dispatch="step", transport="tcp", control="links")["hardware"])
+          run_digests(dispatch="step", transport="tcp", control="links")["hardware"],
+          run_digests(dispatch="step", transport="tcp", control="links",
+                      moe_kernels="fused")["hardware"])
