@@ -26,8 +26,9 @@ from ..wire import (TENSOR_MESSAGES, Fail, Feedback, Frame, Hidden, Partial, Sta
 #: the longest silence was 1.02 windows at the median, 1.45 at p99, 1.72 at p99.9 and 2.48
 #: at most: a worker's loop, late by up to 0.74 s of wall time on a busy host, delays its
 #: broadcast. Two windows failed healthy peers (HetRoute, Fig. 9 at 10 req/s: 3 of 5
-#: requests "no reachable full-precision replica"); three, as heartbeat timeouts of a few
-#: periods are, keeps that tail out at one more window of detection time.
+#: requests "no reachable full-precision replica"; the same point run again reached 1.9-2.7
+#: windows at every worker); three, as heartbeat timeouts of a few periods are, keeps that
+#: tail out at one more window of detection time.
 SILENT_WINDOWS = 3
 
 
