@@ -185,6 +185,11 @@ class StepScheduler:
             steps.append(svc.expert_s(n, p, b + 1) - svc.expert_s(n, p, b) if b
                          else svc.expert_s(n, p, 1))
 
+    def _shared_launches(self, replicas: int, precisions: int) -> float:
+        """Under ``fused``: the launch seconds that ``replicas`` active replicas of
+        ``precisions`` precisions do not pay, each precision launching once."""
+        return (replicas - precisions) * self.svc.expert_launch_s(self.n)
+
     def _update_layer(self, layer: int) -> None:
         """Re-estimate one layer's queued work from its counts (layer scope, after a step)."""
         old = self._layer_cost.get(layer, 0.0)
@@ -202,7 +207,7 @@ class StepScheduler:
                     new += svc.expert_s(n, p, c) + (0.0 if self.resident(r) else svc.load_s(n, p))
                     reps[p] = reps.get(p, 0) + 1
             if self.fused:
-                new -= (sum(reps.values()) - len(reps)) * svc.expert_launch_s(n)
+                new -= self._shared_launches(sum(reps.values()), len(reps))
                 self._prec_reps[layer] = reps
             self._layer_cost[layer] = new
         else:
@@ -346,8 +351,7 @@ class StepScheduler:
                 loads += 1
             dur += svc.expert_s(n, p, c)
         if self.fused and len(tier) > 1:  # one set of launches per precision, not per replica
-            n_prec = len({precision_of(r) for r in tier})
-            dur -= (len(tier) - n_prec) * svc.expert_launch_s(n)
+            dur -= self._shared_launches(len(tier), len({precision_of(r) for r in tier}))
         attn = 0
         per_request: dict[int, int] = {}
         for j in jobs:
