@@ -75,3 +75,15 @@ def test_every_figure_states_its_request_shape_and_the_papers_are_prompt_only(fi
 def test_shipped_specs_whose_numbers_are_prompt_only_pin_it(name):
     raw = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
     assert raw["workload"]["gen_tokens"] == 0
+
+
+def test_the_asymmetric_fig9_spec_runs_fig9s_grid_on_asym5_prompt_only(tmp_path):
+    """``specs/fig9-asym5.yaml`` (the README's asym5 agreement table) is Fig. 9's routers and
+    loads on asym5, prompt only, on both backends."""
+    spec = load_figure(ROOT / "specs" / "fig9-asym5.yaml")
+    for backend in ("sim", "emu"):
+        points = expand(spec, backend, "quick", tmp_path)
+        assert len(points) == 15
+        assert {p.spec.topology for p in points} == {"asym5"}
+        assert {p.spec.workload.gen_tokens for p in points} == {0}
+        assert {p.values["workload.rate_per_s"] for p in points} == {10, 40, 80}
