@@ -45,7 +45,10 @@ def _fail(msg: str) -> None:
 def run(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
         set_: list[str] = typer.Option([], "--set", help="override, e.g. workload.rate_per_s=80"),
         out: Path | None = typer.Option(None, help="results folder (default results/runs/NAME)"),
-        quiet: bool = typer.Option(False, help="no progress bar")) -> None:
+        quiet: bool = typer.Option(False, help="no progress bar"),
+        trace_steps: bool = typer.Option(False, help="simulator: also write each step's "
+                                         "composition to steps/ (for `hardware replay-steps`)")
+        ) -> None:
     """Run one experiment, write its results folder and print its metrics."""
     from topologies import TopologyError
 
@@ -55,7 +58,7 @@ def run(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
         _warn(s, Path(spec).parent)
         with sigterm_as_interrupt():
             res = run_experiment(s, out or Path("results/runs") / s.name, progress=not quiet,
-                                 base_dir=Path(spec).parent)
+                                 base_dir=Path(spec).parent, trace_steps=trace_steps)
     except (SpecError, TopologyError) as err:
         _fail(str(err))
         return

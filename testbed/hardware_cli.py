@@ -214,3 +214,94 @@ def validate(root: Path = typer.Argument(..., help="folder with <gpu>/<org>/<mod
                    f"(min {g.ratio.min():.2f}, max {g.ratio.max():.2f})")
     if out is not None:
         df.to_csv(out, index=False)
+
+
+@app.command("replay-steps")
+def replay_steps(runs: list[Path] = typer.Argument(..., help="run folders written with "
+                                                   "`python -m testbed run SPEC --trace-steps`"),
+                 out: Path = typer.Option(..., help="folder for steps.csv, summary.json, env.json"),
+                 steps: int = typer.Option(200, min=1, max=100_000, help="steps drawn per run"),
+                 gpu: str | None = typer.Option(None, help="catalogue class to charge on "
+                                                "(default: from the device's name)"),
+                 reps: int = typer.Option(7, min=3, max=100, help="repetitions per step"),
+                 seed: int = typer.Option(0, help="seeds the sample and the random weights"),
+                 methods: str = typer.Option("loop,grouped", help="comma-separated: loop, grouped"),
+                 cpu: bool = typer.Option(False, help="run on this CPU (eagerly, FP32; "
+                                          "loop only) instead of a CUDA GPU: to try the command"),
+                 note: str = typer.Option("", help="free text kept in env.json")) -> None:
+    """Traced steps of a run as real kernels on this GPU, beside the step rule's charge."""
+    import csv
+    import dataclasses
+    import datetime
+
+    import torch
+
+    from workloads.models import get_model
+
+    from .gpu_profile import class_for, environment, l2_bytes
+    from .step_replay import METHODS, Replay, replay, sample, summarise, trace_of
+    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+    bad = [m for m in chosen if m not in METHODS]
+    if bad or not chosen:
+        _fail(f"--methods: unknown {', '.join(bad) or '(none)'}; one of {', '.join(METHODS)}")
+    if cpu:
+        dev = torch.device("cpu")
+        if "grouped" in chosen:
+            _fail("--methods grouped needs CUDA (torch._grouped_mm); use --methods loop with --cpu")
+    elif not torch.cuda.is_available():
+        _fail("replay-steps: no CUDA device here (torch.cuda.is_available() is False); "
+              "--cpu runs it on this CPU")
+    else:
+        dev = torch.device("cuda")
+    env = environment(dev)
+    try:
+        cls = gpu_class(gpu or (class_for(env["name"]) if dev.type == "cuda" else "a40")).name
+        traces = [(r, *trace_of(r)) for r in runs]
+    except HardwareError as err:
+        _fail(str(err))
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    fields = ["run"] + [f.name for f in dataclasses.fields(Replay)] + ["ratio"]
+    rows_all: list[Replay] = []
+    per_run = {}
+    with open(out / "steps.csv", "w", newline="") as fh, torch.inference_mode():
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        for run_dir, spec, trace in traces:
+            pick = sample(trace, steps, seed)
+            model = get_model(spec.workload.model)
+            rows = []
+            try:
+                for i, r in enumerate(replay(pick, model, cls, dev, reps=reps, seed=seed,
+                                             l2=l2_bytes(dev), methods=chosen)):
+                    w.writerow({"run": str(run_dir), **dataclasses.asdict(r), "ratio": r.ratio})
+                    fh.flush()  # a killed replay keeps what it measured
+                    rows.append(r)
+                    if (i + 1) % (20 * len(chosen)) == 0:
+                        typer.echo(f"{run_dir}: {(i + 1) // len(chosen)}/{len(pick)} steps", err=True)
+            except HardwareError as err:
+                _fail(str(err))
+                return
+            per_run[str(run_dir)] = {"model": model.name, "router": spec.router.name,
+                                     "rate_per_s": spec.workload.rate_per_s,
+                                     "trace_steps": len(trace), "sampled": len(pick),
+                                     "summary": summarise(rows)}
+            rows_all += rows
+    env.update(note=note, catalogue_class=cls, steps=steps, reps=reps, seed=seed, methods=chosen,
+               measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    (out / "env.json").write_text(json.dumps(env, indent=1))
+    (out / "summary.json").write_text(json.dumps(per_run, indent=1))
+    typer.echo(f"{env.get('name', env['device'])} charged as class {cls}: {len(rows_all)} rows -> "
+               f"{out / 'steps.csv'}")
+    for run_dir, s in per_run.items():
+        for method, m in s["summary"].items():
+            if not m.get("steps"):
+                typer.echo(f"{run_dir} {method}: no step measured")
+                continue
+            typer.echo(f"{run_dir} {method} ({RULE_NAME.get(method, method)}): {m['steps']} steps, "
+                       f"model/measured median {m['ratio_median']:.3f} (p10 {m['ratio_p10']:.3f}, "
+                       f"p90 {m['ratio_p90']:.3f}), sums {m['model_ms_sum']:.2f} / "
+                       f"{m['measured_ms_sum']:.2f} ms = {m['ratio_of_sums']:.3f}")
+
+
+RULE_NAME = {"loop": "rule per_expert", "grouped": "rule fused"}

@@ -43,6 +43,17 @@ REQUEST_COLUMNS = (
     # decode timing (testbed/progress.py): the prompt's last token home, each generated token home
     ("first_s", pa.float64()), ("gen_done_s", pa.list_(pa.float64())),
 )
+#: One row per step of a server's stream (``run --trace-steps``, the simulator): what the
+#: step rule charged and what it was made of, so ``hardware replay-steps`` can run the same
+#: step as real kernels. Replicas in order of first appearance, with their precision code
+#: (``hetroute.system.Precision``), token count and tier (True: GPU-resident); the dense
+#: part as one (request, position) pair per token.
+STEP_COLUMNS = (
+    ("server", pa.int16()), ("layer", pa.int16()), ("t_start", pa.float64()),
+    ("model_s", pa.float64()), ("rep_precision", pa.list_(pa.int8())),
+    ("rep_tokens", pa.list_(pa.int32())), ("rep_gpu", pa.list_(pa.bool_())),
+    ("dense_request", pa.list_(pa.int64())), ("dense_position", pa.list_(pa.int32())),
+)
 
 
 # The record type lives with the method (``hetroute.state``): routers read it in
@@ -59,7 +70,7 @@ class RecordWriter:
     """Column buffers with periodic flushes to ``<dir>/<table>/part-NNNNN.parquet``."""
 
     def __init__(self, out_dir: Path | None, k: int, flush_rows: int = 400_000,
-                 part_prefix: str = "") -> None:
+                 part_prefix: str = "", trace_steps: bool = False) -> None:
         self.out_dir = out_dir
         self.k = k
         self.part_prefix = part_prefix  # e.g. "w3-": emulated workers write side by side
@@ -68,8 +79,10 @@ class RecordWriter:
         self.tl_lists = {name: [] for name, _ in TOKEN_LAYER_LISTS}  # flat, k per row
         self._bind()
         self.rq = {name: [] for name, _ in REQUEST_COLUMNS}
-        self._parts = {"token_layers": 0, "requests": 0}
-        self._frames: dict[str, list[pa.Table]] = {"token_layers": [], "requests": []}
+        #: the step table, or None where steps are not traced (the backend asks this)
+        self.st = {name: [] for name, _ in STEP_COLUMNS} if trace_steps else None
+        self._parts = {"token_layers": 0, "requests": 0, "steps": 0}
+        self._frames: dict[str, list[pa.Table]] = {"token_layers": [], "requests": [], "steps": []}
         self.rows = 0
 
     # hot path ---------------------------------------------------------------
@@ -90,8 +103,20 @@ class RecordWriter:
         for (name, _), v in zip(REQUEST_COLUMNS, row):
             self.rq[name].append(v)
 
+    def step(self, row: tuple) -> None:
+        """One traced step, fields in ``STEP_COLUMNS`` order (only when tracing)."""
+        st = self.st
+        for (name, _), v in zip(STEP_COLUMNS, row):
+            st[name].append(v)
+        if len(st["server"]) >= self.flush_rows:
+            self._flush("steps")
+
     # tables -----------------------------------------------------------------
     def _table(self, which: str) -> pa.Table:
+        if which == "steps":
+            cols = {n: pa.array(self.st[n], type=t) for n, t in STEP_COLUMNS}
+            self.st = {name: [] for name, _ in STEP_COLUMNS}
+            return pa.table(cols)
         if which == "requests":
             cols = {n: pa.array(self.rq[n], type=t) for n, t in REQUEST_COLUMNS}
             for n in self.rq:
@@ -120,10 +145,16 @@ class RecordWriter:
     def close(self) -> None:
         self._flush("token_layers")
         self._flush("requests")
+        if self.st is not None:
+            self._flush("steps")
 
     def frames(self) -> tuple[pd.DataFrame, pd.DataFrame]:
         """In-memory results (when ``out_dir`` is None)."""
         return (_concat(self._frames["token_layers"]), _concat(self._frames["requests"]))
+
+    def step_frame(self) -> pd.DataFrame:
+        """In-memory step table (when ``out_dir`` is None and steps are traced)."""
+        return _concat(self._frames["steps"])
 
 
 def _concat(tables: list[pa.Table]) -> pd.DataFrame:
@@ -141,6 +172,14 @@ def read_records(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         out.append(pd.concat([pq.read_table(p).to_pandas() for p in parts], ignore_index=True)
                    if parts else pd.DataFrame())
     return out[0], out[1]
+
+
+def read_steps(run_dir: Path) -> pd.DataFrame:
+    """The step table of a run traced with ``--trace-steps`` (empty if it was not)."""
+    d = Path(run_dir) / "steps"
+    parts = sorted(d.glob("part-*.parquet")) if d.exists() else []
+    return pd.concat([pq.read_table(p).to_pandas() for p in parts], ignore_index=True) if parts \
+        else pd.DataFrame()
 
 
 def flat(series: pd.Series) -> np.ndarray:

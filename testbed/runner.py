@@ -72,16 +72,19 @@ TRACEBACK = "traceback.txt"
 
 def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: bool = True,
                    base_dir: Path | None = None, keep_setup: bool = False,
-                   placement_cache: Path | None = None) -> RunResult:
+                   placement_cache: Path | None = None, trace_steps: bool = False) -> RunResult:
     """Run one spec; writes ``out_dir`` (run.json says running, then complete, failed or
-    interrupted). Bad input raises ``SpecError`` before anything is written."""
+    interrupted). Bad input raises ``SpecError`` before anything is written. ``trace_steps``
+    (simulator only) also writes every step's composition to ``steps/``."""
     spec = check_spec(spec, base_dir).spec  # one line for bad input, before any folder exists
+    if trace_steps and spec.backend != "sim":
+        raise SpecError("--trace-steps: only the simulator traces its steps (backend: sim)")
     info = provenance(spec.seed, spec.backend)
     info["name"] = spec.name
     info["status"] = "running"
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for sub in ("token_layers", "requests", "quality_inrun"):
+        for sub in ("token_layers", "requests", "quality_inrun", "steps"):
             shutil.rmtree(out_dir / sub, ignore_errors=True)
         for name in ("metrics.json", "quality_inrun.csv", "quality_replay.csv", "quality.json",
                      TRACEBACK):
@@ -89,7 +92,8 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
         (out_dir / "spec.resolved.yaml").write_text(spec.to_yaml())
         write_json_atomic(out_dir / "run.json", info)
     try:
-        return _execute(spec, out_dir, progress, base_dir, keep_setup, placement_cache, info)
+        return _execute(spec, out_dir, progress, base_dir, keep_setup, placement_cache, info,
+                        trace_steps)
     except BaseException as err:
         if out_dir is not None:  # never left saying "running"
             info["status"] = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
@@ -102,7 +106,8 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
 
 
 def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_dir: Path | None,
-             keep_setup: bool, placement_cache: Path | None, info: dict) -> RunResult:
+             keep_setup: bool, placement_cache: Path | None, info: dict,
+             trace_steps: bool = False) -> RunResult:
     t0 = time.perf_counter()
     if placement_cache is None and out_dir is not None:
         # beside the run: a rerun of the same spec reuses its placement and its calibrated
@@ -120,7 +125,7 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
     # every server's numbers, and which of them came from a catalogue class (README)
     info["topology_resolved"] = setup.topology.resolved().model_dump(mode="json", exclude_none=True)
     info["quality_model"] = setup.quality.source
-    writer = RecordWriter(out_dir, setup.shape.top_k)
+    writer = RecordWriter(out_dir, setup.shape.top_k, trace_steps=trace_steps)
     t1 = time.perf_counter()
     stats = run_backend(setup, writer, progress)
     writer.close()

@@ -389,3 +389,55 @@ class StepScheduler:
         """Queued work in stream seconds: what the server publishes each window."""
         rem = self.free_at - now if self.busy else 0.0
         return (rem if rem > 0 else 0.0) + self.queued_s
+
+
+# -- a step's composition (``run --trace-steps`` and ``hardware replay-steps``) ----------
+
+def step_row(server: int, step: Step, precision_of: Callable[[int], Precision]) -> tuple:
+    """One row of the step table (``testbed.records.STEP_COLUMNS``): server, layer, start,
+    modeled seconds, then the active replicas (precision, tokens, GPU-resident) in order of
+    first appearance and the dense part's (request, position) per token. Enough to charge
+    the step again by the same rule on another GPU (``rebuild_jobs``) or to run it."""
+    counts: dict[int, int] = {}
+    gpu: dict[int, bool] = {}
+    d_req, d_pos = [], []
+    for j in step.jobs:
+        r = j.replica
+        if r == DENSE:
+            d_req.append(j.request)
+            d_pos.append(j.position)
+        else:
+            counts[r] = counts.get(r, 0) + 1
+            gpu[r] = j.gpu
+    reps = list(counts)
+    return (server, step.layer, step.start, step.duration,
+            [int(precision_of(r)) for r in reps], [counts[r] for r in reps],
+            [gpu[r] for r in reps], d_req, d_pos)
+
+
+def rebuild_jobs(layer: int, rep_tokens, dense_request, dense_position) -> list[Job]:
+    """The jobs of a traced step, replicas numbered 0.. in their traced order: what a
+    ``StepScheduler`` takes to charge that step again (its request ids keep the KV-cache
+    rule: a request's cache is read once per step)."""
+    jobs, tok = [], 0
+    for r, c in enumerate(rep_tokens):
+        for _ in range(int(c)):
+            jobs.append(Job(layer, r, ("e", tok), -1, 0, 0.0))
+            tok += 1
+    for q, p in zip(dense_request, dense_position):
+        jobs.append(Job(layer, DENSE, ("d", tok), int(q), int(p), 0.0))
+        tok += 1
+    return jobs
+
+
+def charge(service: ServiceModel, server: int, layer: int, rep_precision, rep_tokens, rep_gpu,
+           dense_request, dense_position, moe_kernels: str = "fused") -> float:
+    """Model seconds of a traced step on ``service``'s server ``server``, by the step rule
+    itself (a fresh scheduler takes exactly the traced jobs as one step)."""
+    prec = [Precision(int(p)) for p in rep_precision]
+    res = [bool(g) for g in rep_gpu]
+    sc = StepScheduler(service, server, prec.__getitem__, res.__getitem__,
+                       max_batch_tokens=1 << 30, moe_kernels=moe_kernels)
+    for j in rebuild_jobs(layer, rep_tokens, dense_request, dense_position):
+        sc.submit(j)
+    return sc.take(0.0).duration

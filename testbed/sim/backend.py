@@ -45,7 +45,7 @@ from hetroute.state import StateView, TokenView, Unroutable
 from ..core import Routed, TokenLayerCore
 from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
-from ..steps import DENSE, Job, StepScheduler
+from ..steps import DENSE, Job, StepScheduler, step_row
 from ..tcp import windows as tcp_windows
 
 if TYPE_CHECKING:
@@ -199,6 +199,8 @@ class SimBackend:
                                     on_execute=_on_execute(self.residency[n]),
                                     moe_kernels=eng.moe_kernels)
                       for n in range(N)]
+        #: ``run --trace-steps``: each step's composition to the writer's step table
+        self.trace = writer.step if writer.st is not None else None
         self.wake_at = [-1.0] * N  # a pending hold wake-up per stream
         self.kick_pending = [False] * N  # a step start queued at the current instant
         self.dense_delay = [core.world.dense_s(n, 1) for n in range(N)]  # paper physics only
@@ -575,6 +577,8 @@ class SimBackend:
             return
         step = sc.take(t)
         self.stats.coalesced_jobs += step.expert_jobs - step.replicas
+        if self.trace is not None:
+            self.trace(step_row(n, step, sc.precision_of))
         heapq.heappush(self.heap, (t + step.duration, self.next_seq(), self._step_done, (n, step.jobs)))
 
     def _wake(self, n: int) -> None:

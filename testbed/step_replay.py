@@ -1,0 +1,306 @@
+"""Run traced steps as real kernels: the world's step rule against a GPU on real traffic.
+
+``measure-gpu`` checks the hardware model one kernel shape at a time. What the
+simulator charges, though, is steps: a router's traffic decides how many replicas a
+step holds, how many tokens each gets, how many requests' dense parts ride along
+and at which prompt positions. ``python -m testbed run SPEC --trace-steps`` writes
+every step's composition (``testbed.steps.step_row``); ``python -m testbed hardware
+replay-steps RUN_DIR --out DIR`` draws a seeded sample of those steps and runs each
+on the CUDA GPU at hand as an engine would, beside what the step rule charges for
+the same step on that GPU's catalogue class (``testbed.steps.charge``):
+
+- the dense part of the step's tokens: RMSNorm, the QKV projection, the new keys
+  and values written into each request's cache, attention of each token over its
+  request's positions up to its own (requests padded to the step's longest, with a
+  mask: prompts here are tens of tokens), the output projection, RMSNorm, the
+  router and, for Qwen, the shared expert with its gate;
+- each CPU-resident replica's weights copied from pinned host memory;
+- the experts two ways: ``loop``, each active replica's FFN back to back (against
+  the rule with ``per_expert`` launches), and ``grouped``, one ``torch._grouped_mm``
+  per matrix over all active replicas in BF16 (against ``fused``).
+
+Every replica is replayed and charged at FP16 whatever precision the trace gave it
+(the comparison stays like for like; INT4 kernels are ``measure-gpu``'s ``int4``
+part). Weights rotate through two sets per replica slot so a call reads them from
+DRAM; each step is timed as a CUDA-graph replay (CPU: eagerly) by the same timers
+as ``measure-gpu``. Models with self-attention only (Mixtral, Qwen).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hetroute.hardware import HardwareError, gpu_class
+from hetroute.service import HardwareService
+from hetroute.system import Cluster, Precision
+
+from .gpu_profile import (_attention_layers, _ffn_weights, _randn, _summary, run_ffn,
+                          time_calls, time_graph)
+from .steps import charge
+
+METHODS = ("loop", "grouped")
+RULE_OF = {"loop": "per_expert", "grouped": "fused"}
+SETS = 2  # weight sets per replica slot: consecutive calls never read the same weights
+
+
+def one_server(cls_name: str) -> Cluster:
+    """A cluster of one server of a catalogue class: where the rule charges a step on it."""
+    g = gpu_class(cls_name)
+    return Cluster(names=(g.name,), flops=(g.fp16_tflops * 1e12,), pcie=(g.pcie_gb_s * 1e9,),
+                   gpu_bytes=(g.mem_gb * 1e9,), cpu_bytes=(max(64.0, 2 * g.mem_gb) * 1e9,),
+                   bandwidth=((0.0,),), delay=((0.0,),), gpu_class=(g.name,),
+                   mem_bw=(g.mem_bw_gb_s * 1e9,), alu_flops=(g.alu_tflops * 1e12,),
+                   precisions=(g.precisions,))
+
+
+def sample(steps, n: int, seed: int):
+    """A seeded uniform sample of ``n`` steps (all if fewer), in trace order."""
+    if n >= len(steps):
+        return steps
+    pick = np.sort(np.random.default_rng(seed).choice(len(steps), size=n, replace=False))
+    return steps.iloc[pick]
+
+
+@dataclass
+class Replay:
+    """One step's measured and modeled milliseconds."""
+
+    step: int  # row of the trace
+    server: int
+    replicas: int
+    expert_tokens: int
+    dense_tokens: int
+    requests: int
+    loads: int
+    world_ms: float  # what the run charged on its server's class
+    method: str
+    measured_ms: float
+    spread_ms: float
+    model_ms: float  # the rule with this method's launches, on the measured class
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.model_ms / self.measured_ms if self.measured_ms > 0 else math.nan
+
+
+class StepKernels:
+    """Weights on the device and each traced step turned into a callable ``fn(i)``."""
+
+    def __init__(self, model, dev: torch.device, gen: torch.Generator, l2: int, max_reps: int,
+                 dtype: torch.dtype = torch.float16) -> None:
+        if model.cross_attn_per_layer or model.dense_ffn_per_layer or model.self_attn_per_layer != 1:
+            raise HardwareError(f"replay-steps: {model.name} has cross-attention or dense FFN "
+                                "blocks; only self-attention MoE models (Mixtral, Qwen) replay")
+        self.m, self.dev, self.gen, self.dtype = model, dev, gen, dtype
+        shape = model.shape()
+        self.ffn = shape.expert_ffn
+        self.max_reps = max(1, max_reps)
+        self.pool = [_ffn_weights(self.ffn, dtype, dev, gen) for _ in range(SETS * self.max_reps)]
+        self.stacks = None
+        if dev.type == "cuda":
+            self.stacks = []
+            for k in range(SETS):
+                ws = self.pool[k * self.max_reps:(k + 1) * self.max_reps]
+                self.stacks.append((torch.stack([w[0] for w in ws]).to(torch.bfloat16),
+                                    torch.stack([w[1] for w in ws]).to(torch.bfloat16)))
+        self.layers = _attention_layers(model, dev, dtype, gen, l2)
+        self.shared = None
+        if model.shared_expert_d_ff:
+            from hetroute.hardware import FfnShape
+            sh = FfnShape(model.d_model, model.shared_expert_d_ff, True)
+            self.shared = [(_ffn_weights(sh, dtype, dev, gen),
+                            _randn(gen, (1, model.d_model), dev, dtype, 1 / math.sqrt(model.d_model)))
+                           for _ in range(len(self.layers))]
+        nbytes = int(self.ffn.weight_bytes("fp16"))
+        host = torch.empty(nbytes // 2, dtype=dtype)
+        self.host = host.pin_memory() if dev.type == "cuda" else host
+        self.devbuf = torch.empty_like(self.host, device=dev)
+
+    # -- the parts of a step ---------------------------------------------------------
+    def _dense(self, requests, positions) -> Callable[[int], torch.Tensor]:
+        m, dev, dtype = self.m, self.dev, self.dtype
+        d, hq, hkv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+        q_out, kv_out = hq * hd, hkv * hd
+        order: dict[int, list[int]] = {}
+        for q, p in zip(requests, positions):
+            order.setdefault(int(q), []).append(int(p))
+        R = len(order)
+        qmax = max(len(v) for v in order.values())
+        kmax = max(max(v) for v in order.values()) + 1
+        q_idx, kv_idx, qpos = [], [], []
+        for r, ps in enumerate(order.values()):
+            for i, p in enumerate(ps):
+                q_idx.append(r * qmax + i)
+                kv_idx.append(r * kmax + p)
+                qpos.append((r, i, p))
+        T = len(q_idx)
+        allowed = torch.zeros(R, 1, qmax, kmax, dtype=torch.bool)
+        allowed[:, :, :, 0] = True  # padded query rows attend to something (no NaN)
+        for r, i, p in qpos:
+            allowed[r, 0, i, :p + 1] = True
+        mask = allowed.to(dev)
+        q_index = torch.tensor(q_idx, device=dev)
+        kv_index = torch.tensor(kv_idx, device=dev)
+        x = _randn(self.gen, (T, d), dev, dtype)
+        kc = _randn(self.gen, (R * kmax, kv_out), dev, dtype)
+        vc = _randn(self.gen, (R * kmax, kv_out), dev, dtype)
+        qbuf = torch.zeros(R * qmax, q_out, device=dev, dtype=dtype)
+        layers, shared, n = self.layers, self.shared, len(self.layers)
+
+        def dense(i: int) -> torch.Tensor:
+            w = layers[i % n]
+            h = F.rms_norm(x, (d,), w["ln1"])
+            q, k, v = F.linear(h, w["qkv"]).split((q_out, kv_out, kv_out), dim=-1)
+            kc.index_copy_(0, kv_index, k)
+            vc.index_copy_(0, kv_index, v)
+            qbuf.index_copy_(0, q_index, q)
+            a = F.scaled_dot_product_attention(
+                qbuf.view(R, qmax, hq, hd).transpose(1, 2), kc.view(R, kmax, hkv, hd).transpose(1, 2),
+                vc.view(R, kmax, hkv, hd).transpose(1, 2), attn_mask=mask, enable_gqa=True)
+            a = a.transpose(1, 2).reshape(R * qmax, q_out).index_select(0, q_index)
+            x2 = x + F.linear(a, w["o"])
+            h2 = F.rms_norm(x2, (d,), w["ln2"])
+            F.linear(h2, w["router"]).topk(m.top_k, dim=-1)
+            if shared is not None:
+                (wi, wo), gate = shared[i % n]
+                x2 = x2 + run_ffn(h2, wi, wo, True) * torch.sigmoid(F.linear(h2, gate))
+            return x2
+        return dense
+
+    def _experts(self, tokens: list[int], method: str) -> Callable[[int], object]:
+        dev, d, R = self.dev, self.m.d_model, len(tokens)
+        if method == "loop":
+            xs = [_randn(self.gen, (c, d), dev, self.dtype) for c in tokens]
+            pool, gated, mr = self.pool, self.ffn.gated, self.max_reps
+
+            def loop(i: int) -> None:
+                base = (i % SETS) * mr
+                for r, x in enumerate(xs):
+                    run_ffn(x, *pool[base + r], gated)
+            return loop
+        if self.stacks is None:
+            raise HardwareError("grouped experts need CUDA (torch._grouped_mm)")
+        xs = _randn(self.gen, (sum(tokens), d), dev, torch.bfloat16)
+        offs = torch.tensor(np.cumsum(tokens), device=dev, dtype=torch.int32)
+        stacks, gated = self.stacks, self.ffn.gated
+
+        def grouped(i: int) -> torch.Tensor:
+            w_in, w_out = stacks[i % SETS]
+            h = torch._grouped_mm(xs, w_in[:R].transpose(-2, -1), offs=offs)
+            if gated:
+                g, u = h.chunk(2, dim=-1)
+                h = F.silu(g) * u
+            else:
+                h = F.relu(h)
+            return torch._grouped_mm(h, w_out[:R].transpose(-2, -1), offs=offs)
+        return grouped
+
+    def step(self, row, method: str) -> Callable[[int], None]:
+        """``fn(i)``: the traced step ``row`` on the device (loads, dense part, experts)."""
+        tokens = [int(c) for c in row.rep_tokens]
+        if len(tokens) > self.max_reps:
+            raise HardwareError(f"a step has {len(tokens)} replicas; weights were made for {self.max_reps}")
+        loads = sum(1 for g in row.rep_gpu if not g)
+        dense = self._dense(row.dense_request, row.dense_position) if len(row.dense_position) else None
+        experts = self._experts(tokens, method) if tokens else None
+        host, devbuf = self.host, self.devbuf
+
+        def fn(i: int) -> None:
+            for _ in range(loads):
+                devbuf.copy_(host, non_blocking=True)
+            if dense is not None:
+                dense(i)
+            if experts is not None:
+                experts(i)
+        return fn
+
+
+def replay(steps, model, cls_name: str, dev: torch.device, reps: int = 7, seed: int = 0,
+           l2: int = 64 << 20, methods: tuple[str, ...] = METHODS) -> Iterator[Replay]:
+    """Each traced step (rows of ``read_steps``) measured on ``dev`` by each method, beside
+    the rule's charge on class ``cls_name`` with that method's launches (all FP16)."""
+    service = HardwareService(one_server(cls_name), model.shape())
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    max_reps = max((len(t) for t in steps.rep_tokens), default=1)
+    # FP16 on a GPU; float32 on a CPU (its half matmuls are not what it would run)
+    kernels = StepKernels(model, dev, gen, l2, max_reps,
+                          dtype=torch.float16 if dev.type == "cuda" else torch.float32)
+    graphs = dev.type == "cuda"
+    calls = 8
+    for idx, row in zip(steps.index, steps.itertuples(index=False)):
+        fp16 = [int(Precision.FP16)] * len(row.rep_tokens)
+        base = dict(step=int(idx), server=int(row.server), replicas=len(row.rep_tokens),
+                    expert_tokens=int(sum(row.rep_tokens)), dense_tokens=len(row.dense_position),
+                    requests=len(set(row.dense_request)),
+                    loads=sum(1 for g in row.rep_gpu if not g), world_ms=float(row.model_s) * 1e3)
+        for method in methods:
+            model_s = charge(service, 0, int(row.layer), fp16, row.rep_tokens, row.rep_gpu,
+                             row.dense_request, row.dense_position, moe_kernels=RULE_OF[method])
+            med = spread = math.nan
+            note = ""
+            try:
+                fn = kernels.step(row, method)
+                if graphs:
+                    try:
+                        med, spread = _summary(time_graph(fn, calls, reps))
+                        note = "CUDA graph"
+                    except Exception as err:  # not capturable here: time it eagerly, and say so
+                        torch.cuda.synchronize()
+                        note = f"eager (graph capture failed: {type(err).__name__}); "
+                if not note.startswith("CUDA"):
+                    med, spread = _summary(time_calls(fn, calls, reps, dev))
+                    note += "eager"
+            except Exception as err:  # a kernel this PyTorch lacks: say so in the row
+                med = spread = math.nan
+                note += f"unavailable: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            yield Replay(**base, method=method, measured_ms=med, spread_ms=spread,
+                         model_ms=model_s * 1e3, note=note)
+        if graphs:
+            torch.cuda.empty_cache()
+
+
+def summarise(rows: list[Replay]) -> dict[str, dict]:
+    """Per method: steps, median and 10-90% of model / measured, and the ratio of the sums
+    (the stream time the rule charges for the sample against what it took)."""
+    out = {}
+    for method in sorted({r.method for r in rows}):
+        ok = [r for r in rows if r.method == method and r.measured_ms > 0]
+        if not ok:
+            out[method] = {"steps": 0}
+            continue
+        ratios = np.array([r.ratio for r in ok])
+        out[method] = {"steps": len(ok),
+                       "ratio_p10": round(float(np.percentile(ratios, 10)), 3),
+                       "ratio_median": round(float(np.median(ratios)), 3),
+                       "ratio_p90": round(float(np.percentile(ratios, 90)), 3),
+                       "ratio_of_sums": round(sum(r.model_ms for r in ok) / sum(r.measured_ms for r in ok), 3),
+                       "measured_ms_sum": round(sum(r.measured_ms for r in ok), 3),
+                       "model_ms_sum": round(sum(r.model_ms for r in ok), 3)}
+    return out
+
+
+def trace_of(run_dir: Path):
+    """(spec, steps) of a run folder written with ``--trace-steps``; HardwareError if none."""
+    from .records import read_steps
+    from .spec import load_spec
+    run_dir = Path(run_dir)
+    f = run_dir / "spec.resolved.yaml"
+    if not f.exists():
+        raise HardwareError(f"replay-steps: {run_dir} has no spec.resolved.yaml (not a run folder)")
+    steps = read_steps(run_dir)
+    if steps.empty:
+        raise HardwareError(f"replay-steps: {run_dir} has no steps/ table; run it with "
+                            "`python -m testbed run SPEC --trace-steps`")
+    spec = load_spec(str(f))
+    if spec.physics != "hardware":
+        raise HardwareError("replay-steps: the trace is of physics: paper, whose steps are not "
+                            "what an engine runs; trace a physics: hardware run")
+    return spec, steps
