@@ -226,6 +226,8 @@ def replay_steps(runs: list[Path] = typer.Argument(..., help="run folders writte
                  reps: int = typer.Option(7, min=3, max=100, help="repetitions per step"),
                  seed: int = typer.Option(0, help="seeds the sample and the random weights"),
                  methods: str = typer.Option("loop,grouped", help="comma-separated: loop, grouped"),
+                 attention: str = typer.Option("varlen", help="dense part's attention: varlen "
+                                               "(flash, packed; CUDA) or masked (padded SDPA)"),
                  cpu: bool = typer.Option(False, help="run on this CPU (eagerly, FP32; "
                                           "loop only) instead of a CUDA GPU: to try the command"),
                  note: str = typer.Option("", help="free text kept in env.json")) -> None:
@@ -246,6 +248,7 @@ def replay_steps(runs: list[Path] = typer.Argument(..., help="run folders writte
         _fail(f"--methods: unknown {', '.join(bad) or '(none)'}; one of {', '.join(METHODS)}")
     if cpu:
         dev = torch.device("cpu")
+        attention = "masked"  # varlen attention is flash attention: CUDA only
         if "grouped" in chosen:
             _fail("--methods grouped needs CUDA (torch._grouped_mm); use --methods loop with --cpu")
     elif not torch.cuda.is_available():
@@ -273,7 +276,8 @@ def replay_steps(runs: list[Path] = typer.Argument(..., help="run folders writte
             rows = []
             try:
                 for i, r in enumerate(replay(pick, model, cls, dev, reps=reps, seed=seed,
-                                             l2=l2_bytes(dev), methods=chosen)):
+                                             l2=l2_bytes(dev), methods=chosen,
+                                             attention=attention)):
                     w.writerow({"run": str(run_dir), **dataclasses.asdict(r), "ratio": r.ratio})
                     fh.flush()  # a killed replay keeps what it measured
                     rows.append(r)
@@ -288,6 +292,7 @@ def replay_steps(runs: list[Path] = typer.Argument(..., help="run folders writte
                                      "summary": summarise(rows)}
             rows_all += rows
     env.update(note=note, catalogue_class=cls, steps=steps, reps=reps, seed=seed, methods=chosen,
+               attention=attention,
                measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     (out / "env.json").write_text(json.dumps(env, indent=1))
     (out / "summary.json").write_text(json.dumps(per_run, indent=1))

@@ -11,9 +11,10 @@ the same step on that GPU's catalogue class (``testbed.steps.charge``):
 
 - the dense part of the step's tokens: RMSNorm, the QKV projection, the new keys
   and values written into each request's cache, attention of each token over its
-  request's positions up to its own (requests padded to the step's longest, with a
-  mask: prompts here are tens of tokens), the output projection, RMSNorm, the
-  router and, for Qwen, the shared expert with its gate;
+  request's positions (``varlen``: one variable-length flash-attention call over the
+  packed requests, as engines run it, CUDA only; ``masked``: requests padded to the
+  step's longest with a mask, through ``scaled_dot_product_attention``), the output
+  projection, RMSNorm, the router and, for Qwen, the shared expert with its gate;
 - each CPU-resident replica's weights copied from pinned host memory;
 - the experts two ways: ``loop``, each active replica's FFN back to back (against
   the rule with ``per_expert`` launches), and ``grouped``, one ``torch._grouped_mm``
@@ -46,6 +47,7 @@ from .gpu_profile import (_attention_layers, _ffn_weights, _randn, _summary, run
 from .steps import charge
 
 METHODS = ("loop", "grouped")
+ATTENTION = ("varlen", "masked")
 RULE_OF = {"loop": "per_expert", "grouped": "fused"}
 SETS = 2  # weight sets per replica slot: consecutive calls never read the same weights
 
@@ -95,11 +97,17 @@ class StepKernels:
     """Weights on the device and each traced step turned into a callable ``fn(i)``."""
 
     def __init__(self, model, dev: torch.device, gen: torch.Generator, l2: int, max_reps: int,
-                 dtype: torch.dtype = torch.float16) -> None:
+                 dtype: torch.dtype = torch.float16, attention: str = "masked") -> None:
         if model.cross_attn_per_layer or model.dense_ffn_per_layer or model.self_attn_per_layer != 1:
             raise HardwareError(f"replay-steps: {model.name} has cross-attention or dense FFN "
                                 "blocks; only self-attention MoE models (Mixtral, Qwen) replay")
         self.m, self.dev, self.gen, self.dtype = model, dev, gen, dtype
+        self.varlen = _varlen() if attention == "varlen" else None
+        if attention not in ATTENTION:
+            raise HardwareError(f"--attention: unknown {attention!r}; one of {', '.join(ATTENTION)}")
+        if attention == "varlen" and (self.varlen is None or dev.type != "cuda"):
+            raise HardwareError("--attention varlen needs CUDA and torch.nn.attention.varlen "
+                                "(PyTorch >= 2.10); --attention masked runs anywhere")
         shape = model.shape()
         self.ffn = shape.expert_ffn
         self.max_reps = max(1, max_reps)
@@ -126,6 +134,73 @@ class StepKernels:
 
     # -- the parts of a step ---------------------------------------------------------
     def _dense(self, requests, positions) -> Callable[[int], torch.Tensor]:
+        return (self._dense_varlen if self.varlen is not None else self._dense_masked)(
+            requests, positions)
+
+    def _dense_varlen(self, requests, positions) -> Callable[[int], torch.Tensor]:
+        """The dense part with one variable-length flash-attention call over the step's
+        requests (packed, no padding), as serving engines run it. Causal masking aligns
+        each request's queries to the end of its keys (flash attention's rule): exact
+        for a prompt's consecutive positions, the same work where positions skip."""
+        m, dev, dtype = self.m, self.dev, self.dtype
+        d, hq, hkv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+        q_out, kv_out = hq * hd, hkv * hd
+        order: dict[int, list[int]] = {}
+        for q, p in zip(requests, positions):
+            order.setdefault(int(q), []).append(int(p))
+        cq, ck, q_idx, kv_idx = [0], [0], [], []
+        lookup = {}
+        for r, ps in enumerate(order.values()):
+            for i, p in enumerate(ps):
+                lookup[(r, i)] = (cq[-1] + i, ck[-1] + p)
+            cq.append(cq[-1] + len(ps))
+            ck.append(ck[-1] + max(ps) + 1)
+        seen: dict[int, int] = {}
+        keys = list(order)
+        for q in requests:  # the trace's token order -> packed rows
+            r = keys.index(int(q))
+            i = seen.get(r, 0)
+            seen[r] = i + 1
+            a, b = lookup[(r, i)]
+            q_idx.append(a)
+            kv_idx.append(b)
+        T, Tk = cq[-1], ck[-1]
+        max_q = max(len(v) for v in order.values())
+        max_k = max(max(v) + 1 for v in order.values())
+        q_index = torch.tensor(q_idx, device=dev)
+        kv_index = torch.tensor(kv_idx, device=dev)
+        cu_q = torch.tensor(cq, device=dev, dtype=torch.int32)
+        cu_k = torch.tensor(ck, device=dev, dtype=torch.int32)
+        x = _randn(self.gen, (T, d), dev, dtype)
+        kc = _randn(self.gen, (Tk, kv_out), dev, dtype)
+        vc = _randn(self.gen, (Tk, kv_out), dev, dtype)
+        qbuf = torch.zeros(T, q_out, device=dev, dtype=dtype)
+        attn, gqa = self.varlen
+        rep = hq // hkv
+        layers, shared, n = self.layers, self.shared, len(self.layers)
+
+        def dense(i: int) -> torch.Tensor:
+            w = layers[i % n]
+            h = F.rms_norm(x, (d,), w["ln1"])
+            q, k, v = F.linear(h, w["qkv"]).split((q_out, kv_out, kv_out), dim=-1)
+            kc.index_copy_(0, kv_index, k)
+            vc.index_copy_(0, kv_index, v)
+            qbuf.index_copy_(0, q_index, q)
+            kk, vv = kc.view(Tk, hkv, hd), vc.view(Tk, hkv, hd)
+            if not gqa and rep > 1:
+                kk, vv = kk.repeat_interleave(rep, dim=1), vv.repeat_interleave(rep, dim=1)
+            a = attn(qbuf.view(T, hq, hd), kk, vv, cu_q, cu_k, max_q, max_k)
+            a = a.reshape(T, q_out).index_select(0, q_index)
+            x2 = x + F.linear(a, w["o"])
+            h2 = F.rms_norm(x2, (d,), w["ln2"])
+            F.linear(h2, w["router"]).topk(m.top_k, dim=-1)
+            if shared is not None:
+                (wi, wo), gate = shared[i % n]
+                x2 = x2 + run_ffn(h2, wi, wo, True) * torch.sigmoid(F.linear(h2, gate))
+            return x2
+        return dense
+
+    def _dense_masked(self, requests, positions) -> Callable[[int], torch.Tensor]:
         m, dev, dtype = self.m, self.dev, self.dtype
         d, hq, hkv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
         q_out, kv_out = hq * hd, hkv * hd
@@ -223,8 +298,29 @@ class StepKernels:
         return fn
 
 
+def _varlen():
+    """(causal varlen attention(q, k, v, cu_q, cu_k, max_q, max_k), takes GQA heads) from
+    ``torch.nn.attention.varlen`` across its signatures, or None where it is missing."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = "enable_gqa" in params
+    if gqa:
+        kw["enable_gqa"] = True
+
+    def attn(q, k, v, cu_q, cu_k, max_q, max_k):
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    return attn, gqa
+
+
 def replay(steps, model, cls_name: str, dev: torch.device, reps: int = 7, seed: int = 0,
-           l2: int = 64 << 20, methods: tuple[str, ...] = METHODS) -> Iterator[Replay]:
+           l2: int = 64 << 20, methods: tuple[str, ...] = METHODS,
+           attention: str = "masked") -> Iterator[Replay]:
     """Each traced step (rows of ``read_steps``) measured on ``dev`` by each method, beside
     the rule's charge on class ``cls_name`` with that method's launches (all FP16)."""
     service = HardwareService(one_server(cls_name), model.shape())
@@ -232,7 +328,8 @@ def replay(steps, model, cls_name: str, dev: torch.device, reps: int = 7, seed: 
     max_reps = max((len(t) for t in steps.rep_tokens), default=1)
     # FP16 on a GPU; float32 on a CPU (its half matmuls are not what it would run)
     kernels = StepKernels(model, dev, gen, l2, max_reps,
-                          dtype=torch.float16 if dev.type == "cuda" else torch.float32)
+                          dtype=torch.float16 if dev.type == "cuda" else torch.float32,
+                          attention=attention)
     graphs = dev.type == "cuda"
     calls = 8
     for idx, row in zip(steps.index, steps.itertuples(index=False)):
