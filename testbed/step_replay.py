@@ -87,6 +87,12 @@ class Replay:
     spread_ms: float
     model_ms: float  # the rule with this method's launches, on the measured class
     note: str = ""
+    #: the step itself, so a record can be charged again by a later model (``composition``)
+    layer: int = 0
+    rep_tokens: str = ""
+    rep_gpu: str = ""
+    dense_request: str = ""
+    dense_position: str = ""
 
     @property
     def ratio(self) -> float:
@@ -320,7 +326,7 @@ def _varlen():
 
 def replay(steps, model, cls_name: str, dev: torch.device, reps: int = 7, seed: int = 0,
            l2: int = 64 << 20, methods: tuple[str, ...] = METHODS,
-           attention: str = "masked") -> Iterator[Replay]:
+           attention: str = "masked", calls: int = 8) -> Iterator[Replay]:
     """Each traced step (rows of ``read_steps``) measured on ``dev`` by each method, beside
     the rule's charge on class ``cls_name`` with that method's launches (all FP16)."""
     service = HardwareService(one_server(cls_name), model.shape())
@@ -331,13 +337,13 @@ def replay(steps, model, cls_name: str, dev: torch.device, reps: int = 7, seed: 
                           dtype=torch.float16 if dev.type == "cuda" else torch.float32,
                           attention=attention)
     graphs = dev.type == "cuda"
-    calls = 8
     for idx, row in zip(steps.index, steps.itertuples(index=False)):
         fp16 = [int(Precision.FP16)] * len(row.rep_tokens)
         base = dict(step=int(idx), server=int(row.server), replicas=len(row.rep_tokens),
                     expert_tokens=int(sum(row.rep_tokens)), dense_tokens=len(row.dense_position),
                     requests=len(set(row.dense_request)),
-                    loads=sum(1 for g in row.rep_gpu if not g), world_ms=float(row.model_s) * 1e3)
+                    loads=sum(1 for g in row.rep_gpu if not g), world_ms=float(row.model_s) * 1e3,
+                    **composition(row))
         for method in methods:
             model_s = charge(service, 0, int(row.layer), fp16, row.rep_tokens, row.rep_gpu,
                              row.dense_request, row.dense_position, moe_kernels=RULE_OF[method])
@@ -362,6 +368,22 @@ def replay(steps, model, cls_name: str, dev: torch.device, reps: int = 7, seed: 
                          model_ms=model_s * 1e3, note=note)
         if graphs:
             torch.cuda.empty_cache()
+
+
+def composition(row) -> dict[str, object]:
+    """A traced step's make-up as plain fields (space-separated integers; tiers as 0/1)."""
+    def ints(xs) -> str:
+        return " ".join(str(int(x)) for x in xs)
+    return dict(layer=int(row.layer), rep_tokens=ints(row.rep_tokens), rep_gpu=ints(row.rep_gpu),
+                dense_request=ints(row.dense_request), dense_position=ints(row.dense_position))
+
+
+def parse_composition(rec) -> dict[str, list[int]]:
+    """``composition``'s fields back to lists (a row of a replay's ``steps.csv``)."""
+    def ints(s) -> list[int]:
+        return [int(x) for x in str(s).split()] if isinstance(s, str) else []
+    return {k: ints(getattr(rec, k)) for k in ("rep_tokens", "rep_gpu", "dense_request",
+                                                 "dense_position")}
 
 
 def summarise(rows: list[Replay]) -> dict[str, dict]:

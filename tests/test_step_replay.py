@@ -1,0 +1,167 @@
+"""Traced steps (``run --trace-steps``) and their replay on a GPU (``hardware replay-steps``).
+
+The trace must hold everything the step rule charged, so that a step can be charged
+again on another GPU or run as real kernels; the record in
+``docs/measurements/h100-2026-11-27-steps/`` (1,500 steps of three routers' traffic
+measured on an H100) holds the current step rule to what that GPU did. Bounds are the
+measured spread plus a margin; the README ("Steps of real traffic") gives the ratios.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hetroute.service import HardwareService
+from testbed.cli import app
+from testbed.records import read_steps
+from testbed.runner import run_experiment
+from testbed.spec import SpecError, parse_spec
+from testbed.step_replay import one_server, parse_composition, replay
+from testbed.steps import charge
+from workloads import get_model
+
+RECORD = Path(__file__).resolve().parent.parent / "docs" / "measurements" / "h100-2026-11-27-steps"
+RULE_OF = {"loop": "per_expert", "grouped": "fused"}
+SPEC = {"name": "trace", "topology": "small3",
+        "workload": {"model": "qwen", "rate_per_s": 40, "duration_s": 0.4, "warmup_s": 0.1,
+                     "calibration_tokens": 64, "gen_tokens": 0},
+        "engine": {"decision_s": 0.0}}
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("trace") / "run"
+    res = run_experiment(parse_spec(SPEC), out, progress=False, trace_steps=True, keep_setup=True)
+    return out, res
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Path:
+    """The same run without a trace."""
+    out = tmp_path_factory.mktemp("plain") / "run"
+    run_experiment(parse_spec(SPEC), out, progress=False)
+    return out
+
+
+def test_a_trace_charges_every_step_again_to_the_same_float(traced):
+    """Each traced step, rebuilt from its row and charged by a fresh scheduler on the run's
+    own servers, costs exactly what the run charged: nothing the rule reads is missing."""
+    out, res = traced
+    steps = read_steps(out)
+    assert len(steps) > 100 and steps.rep_tokens.map(len).max() > 1 and steps.dense_position.map(len).max() > 1
+    assert set(steps.columns) >= {"server", "layer", "model_s", "rep_precision", "rep_tokens"}
+    svc = HardwareService(res.setup.cluster, res.setup.shape)
+    again = [charge(svc, r.server, r.layer, r.rep_precision, r.rep_tokens, r.rep_gpu,
+                    r.dense_request, r.dense_position) for r in steps.itertuples()]
+    assert again == steps.model_s.tolist()
+    # and no step is left out: every server's steps are traced, none twice
+    assert set(steps.server) == {0, 1, 2}
+    assert not steps.duplicated(["server", "t_start"]).any()
+
+
+def test_tracing_is_simulator_only_and_changes_no_record(traced, plain, tmp_path):
+    out, _ = traced
+    with pytest.raises(SpecError, match="only the simulator"):
+        run_experiment(parse_spec({**SPEC, "backend": "emu"}), tmp_path / "e", progress=False,
+                       trace_steps=True)
+    assert not (plain / "steps").exists()
+    a = json.loads((out / "metrics.json").read_text())
+    b = json.loads((plain / "metrics.json").read_text())
+    assert a == b
+
+
+def _record() -> pd.DataFrame:
+    df = pd.read_csv(RECORD / "steps-varlen.csv")
+    svc = HardwareService(one_server("h100-sxm"), get_model("qwen").shape())
+    shapes = {m: HardwareService(one_server("h100-sxm"), get_model(m).shape())
+              for m in ("mixtral", "qwen")}
+    model = []
+    for r in df.itertuples():
+        c = parse_composition(r)
+        svc = shapes["qwen" if r.run.startswith("qwen") else "mixtral"]
+        model.append(charge(svc, 0, r.layer, [0] * len(c["rep_tokens"]), c["rep_tokens"],
+                            c["rep_gpu"], c["dense_request"], c["dense_position"],
+                            moe_kernels=RULE_OF[r.method]) * 1e3)
+    df["now_ms"] = model
+    df["r"] = df.now_ms / df.measured_ms
+    return df
+
+
+@pytest.fixture(scope="module")
+def record() -> pd.DataFrame:
+    return _record()
+
+
+def test_the_record_is_whole(record):
+    env = json.loads((RECORD / "env-varlen.json").read_text())
+    assert (env["name"], env["catalogue_class"]) == ("NVIDIA H100 80GB HBM3", "h100-sxm")
+    assert record.groupby(["run", "method"]).size().tolist() == [500] * 6
+    assert record.note.eq("CUDA graph").all() and (record.measured_ms > 0).all()
+
+
+def test_the_step_rule_charges_real_traffic_within_15_percent_in_sum(record):
+    """The stream time the rule charges for 500 steps of each trace against the H100's:
+    fused rule / grouped GEMMs 0.89-1.03 and per-expert rule / back-to-back FFNs 1.10-1.20
+    when recorded (the 5 us launch over-charges CUDA graphs, most for Qwen's small experts)."""
+    sums = record.groupby(["method", "run"])[["now_ms", "measured_ms"]].sum()
+    ratio = sums.now_ms / sums.measured_ms
+    assert ratio["grouped"].between(0.85, 1.10).all(), ratio.round(3).to_dict()
+    assert ratio["loop"].between(1.0, 1.30).all(), ratio.round(3).to_dict()
+
+
+def test_per_step_errors_stay_in_their_recorded_bands(record):
+    """Expert-only steps: fused rule / grouped 0.69-1.11 per step, per-expert / loop
+    0.80-1.65 (Qwen's one-token experts); dense-only steps: the rule is 10-38% under the
+    replay, whose unfused PyTorch dense part runs about 20 kernels where the rule charges
+    eight launches (about 21 us more per step on the H100 whatever the token count)."""
+    experts = record[(record.replicas > 0) & (record.dense_tokens == 0)]
+    dense = record[record.replicas == 0]
+    g = experts[experts.method == "grouped"].r
+    lo = experts[experts.method == "loop"].r
+    assert g.between(0.6, 1.2).all(), (g.min(), g.max())
+    assert lo.between(0.7, 1.8).all(), (lo.min(), lo.max())
+    assert dense.r.between(0.55, 1.0).all(), (dense.r.min(), dense.r.max())
+    gap_us = (dense.measured_ms - dense.now_ms) * 1e3
+    assert 10 < float(np.median(gap_us)) < 40
+
+
+def test_replay_runs_recorded_steps_on_this_cpu(record):
+    """The replay's kernels on the CPU (eager, FP32): a dense-only, an experts-only and a
+    mixed step of Qwen's record run and are charged by the rule on the class asked for."""
+    rows = record[(record.run == "qwen-hetroute") & (record.method == "loop")]
+    pick = pd.concat([rows[rows.replicas == 0].head(1),
+                      rows[(rows.replicas.between(2, 4)) & (rows.dense_tokens == 0)].head(1),
+                      rows[(rows.replicas.between(1, 3)) & (rows.dense_tokens.between(2, 8))].head(1)])
+    assert len(pick) == 3
+    steps = pd.DataFrame([{**parse_composition(r), "layer": r.layer, "server": r.server,
+                           "model_s": r.world_ms / 1e3} for r in pick.itertuples()])
+    out = list(replay(steps, get_model("qwen"), "h100-sxm", torch.device("cpu"), reps=3,
+                      methods=("loop",), l2=1 << 20, calls=2))  # (two weight sets: a quick test)
+    assert [o.method for o in out] == ["loop"] * 3
+    assert all(o.measured_ms > 0 and o.note == "eager" for o in out)
+    assert [round(o.model_ms, 9) for o in out] == [round(x, 9) for x in pick.now_ms]
+
+
+def test_replay_cli_says_one_line_on_bad_input(traced, plain, tmp_path):
+    out, _ = traced
+    runner = CliRunner()
+    cases = [
+        ([str(tmp_path), "--out", str(tmp_path / "o"), "--cpu", "--methods", "loop"], "no spec.resolved.yaml"),
+        ([str(out), "--out", str(tmp_path / "o"), "--cpu"], "needs CUDA"),
+        ([str(out), "--out", str(tmp_path / "o"), "--methods", "fast"], "unknown fast"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(([str(out), "--out", str(tmp_path / "o")], "no CUDA device"))
+    for args, msg in cases:
+        r = CliRunner().invoke(app, ["hardware", "replay-steps", *args])
+        assert r.exit_code == 2 and msg in r.output, (args, r.output)
+    r = runner.invoke(app, ["hardware", "replay-steps", str(plain), "--out", str(tmp_path / "o"),
+                            "--cpu", "--methods", "loop"])
+    assert r.exit_code == 2 and "--trace-steps" in r.output
