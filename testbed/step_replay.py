@@ -148,92 +148,71 @@ class StepKernels:
         requests (packed, no padding), as serving engines run it. Causal masking aligns
         each request's queries to the end of its keys (flash attention's rule): exact
         for a prompt's consecutive positions, the same work where positions skip."""
-        m, dev, dtype = self.m, self.dev, self.dtype
-        d, hq, hkv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-        q_out, kv_out = hq * hd, hkv * hd
-        order: dict[int, list[int]] = {}
-        for q, p in zip(requests, positions):
-            order.setdefault(int(q), []).append(int(p))
-        cq, ck, q_idx, kv_idx = [0], [0], [], []
-        lookup = {}
-        for r, ps in enumerate(order.values()):
-            for i, p in enumerate(ps):
-                lookup[(r, i)] = (cq[-1] + i, ck[-1] + p)
+        m, dev = self.m, self.dev
+        hq, hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
+        order = _by_request(requests, positions)
+        cq, ck, start = [0], [0], []
+        for ps in order.values():
+            start.append((cq[-1], ck[-1]))
             cq.append(cq[-1] + len(ps))
             ck.append(ck[-1] + max(ps) + 1)
-        seen: dict[int, int] = {}
-        keys = list(order)
-        for q in requests:  # the trace's token order -> packed rows
-            r = keys.index(int(q))
-            i = seen.get(r, 0)
-            seen[r] = i + 1
-            a, b = lookup[(r, i)]
-            q_idx.append(a)
-            kv_idx.append(b)
+        # a request's queries packed in position order, so the causal rule sees them in order
+        rank = [{p: j for j, p in enumerate(sorted(ps))} for ps in order.values()]
+        rows = [(start[r][0] + rank[r][p], start[r][1] + p)
+                for r, _, p in _token_slots(requests, positions, order)]
         T, Tk = cq[-1], ck[-1]
         max_q = max(len(v) for v in order.values())
         max_k = max(max(v) + 1 for v in order.values())
-        q_index = torch.tensor(q_idx, device=dev)
-        kv_index = torch.tensor(kv_idx, device=dev)
         cu_q = torch.tensor(cq, device=dev, dtype=torch.int32)
         cu_k = torch.tensor(ck, device=dev, dtype=torch.int32)
-        x = _randn(self.gen, (T, d), dev, dtype)
-        kc = _randn(self.gen, (Tk, kv_out), dev, dtype)
-        vc = _randn(self.gen, (Tk, kv_out), dev, dtype)
-        qbuf = torch.zeros(T, q_out, device=dev, dtype=dtype)
         attn, gqa = self.varlen
         rep = hq // hkv
-        layers, shared, n = self.layers, self.shared, len(self.layers)
 
-        def dense(i: int) -> torch.Tensor:
-            w = layers[i % n]
-            h = F.rms_norm(x, (d,), w["ln1"])
-            q, k, v = F.linear(h, w["qkv"]).split((q_out, kv_out, kv_out), dim=-1)
-            kc.index_copy_(0, kv_index, k)
-            vc.index_copy_(0, kv_index, v)
-            qbuf.index_copy_(0, q_index, q)
+        def attend(qbuf: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
             kk, vv = kc.view(Tk, hkv, hd), vc.view(Tk, hkv, hd)
             if not gqa and rep > 1:
                 kk, vv = kk.repeat_interleave(rep, dim=1), vv.repeat_interleave(rep, dim=1)
-            a = attn(qbuf.view(T, hq, hd), kk, vv, cu_q, cu_k, max_q, max_k)
-            a = a.reshape(T, q_out).index_select(0, q_index)
-            x2 = x + F.linear(a, w["o"])
-            h2 = F.rms_norm(x2, (d,), w["ln2"])
-            F.linear(h2, w["router"]).topk(m.top_k, dim=-1)
-            if shared is not None:
-                (wi, wo), gate = shared[i % n]
-                x2 = x2 + run_ffn(h2, wi, wo, True) * torch.sigmoid(F.linear(h2, gate))
-            return x2
-        return dense
+            return attn(qbuf.view(T, hq, hd), kk, vv, cu_q, cu_k, max_q, max_k).reshape(T, hq * hd)
+        return self._dense_layer(rows, T, Tk, attend)
 
     def _dense_masked(self, requests, positions) -> Callable[[int], torch.Tensor]:
-        m, dev, dtype = self.m, self.dev, self.dtype
-        d, hq, hkv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-        q_out, kv_out = hq * hd, hkv * hd
-        order: dict[int, list[int]] = {}
-        for q, p in zip(requests, positions):
-            order.setdefault(int(q), []).append(int(p))
+        """The dense part with the step's requests padded to its longest and a causal mask,
+        through ``scaled_dot_product_attention`` (runs on a CPU too)."""
+        m, dev = self.m, self.dev
+        hq, hkv, hd = m.n_heads, m.n_kv_heads, m.head_dim
+        order = _by_request(requests, positions)
         R = len(order)
         qmax = max(len(v) for v in order.values())
         kmax = max(max(v) for v in order.values()) + 1
-        q_idx, kv_idx, qpos = [], [], []
-        for r, ps in enumerate(order.values()):
-            for i, p in enumerate(ps):
-                q_idx.append(r * qmax + i)
-                kv_idx.append(r * kmax + p)
-                qpos.append((r, i, p))
-        T = len(q_idx)
+        slots = _token_slots(requests, positions, order)
         allowed = torch.zeros(R, 1, qmax, kmax, dtype=torch.bool)
         allowed[:, :, :, 0] = True  # padded query rows attend to something (no NaN)
-        for r, i, p in qpos:
+        for r, i, p in slots:
             allowed[r, 0, i, :p + 1] = True
         mask = allowed.to(dev)
-        q_index = torch.tensor(q_idx, device=dev)
-        kv_index = torch.tensor(kv_idx, device=dev)
-        x = _randn(self.gen, (T, d), dev, dtype)
-        kc = _randn(self.gen, (R * kmax, kv_out), dev, dtype)
-        vc = _randn(self.gen, (R * kmax, kv_out), dev, dtype)
-        qbuf = torch.zeros(R * qmax, q_out, device=dev, dtype=dtype)
+
+        def attend(qbuf: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+            a = F.scaled_dot_product_attention(
+                qbuf.view(R, qmax, hq, hd).transpose(1, 2), kc.view(R, kmax, hkv, hd).transpose(1, 2),
+                vc.view(R, kmax, hkv, hd).transpose(1, 2), attn_mask=mask, enable_gqa=True)
+            return a.transpose(1, 2).reshape(R * qmax, hq * hd)
+        return self._dense_layer([(r * qmax + i, r * kmax + p) for r, i, p in slots],
+                                 R * qmax, R * kmax, attend)
+
+    def _dense_layer(self, rows: list[tuple[int, int]], q_rows: int, kv_rows: int,
+                     attend: Callable[..., torch.Tensor]) -> Callable[[int], torch.Tensor]:
+        """One layer's dense part around an attention: ``rows`` gives each token (in the
+        trace's order) its query row and its key/value row in buffers of ``q_rows`` and
+        ``kv_rows``; ``attend(q, k, v)`` returns the context per query row."""
+        m, dev, dtype = self.m, self.dev, self.dtype
+        d = m.d_model
+        q_out, kv_out = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+        q_index = torch.tensor([a for a, _ in rows], device=dev)
+        kv_index = torch.tensor([b for _, b in rows], device=dev)
+        x = _randn(self.gen, (len(rows), d), dev, dtype)
+        kc = _randn(self.gen, (kv_rows, kv_out), dev, dtype)
+        vc = _randn(self.gen, (kv_rows, kv_out), dev, dtype)
+        qbuf = torch.zeros(q_rows, q_out, device=dev, dtype=dtype)
         layers, shared, n = self.layers, self.shared, len(self.layers)
 
         def dense(i: int) -> torch.Tensor:
@@ -243,10 +222,7 @@ class StepKernels:
             kc.index_copy_(0, kv_index, k)
             vc.index_copy_(0, kv_index, v)
             qbuf.index_copy_(0, q_index, q)
-            a = F.scaled_dot_product_attention(
-                qbuf.view(R, qmax, hq, hd).transpose(1, 2), kc.view(R, kmax, hkv, hd).transpose(1, 2),
-                vc.view(R, kmax, hkv, hd).transpose(1, 2), attn_mask=mask, enable_gqa=True)
-            a = a.transpose(1, 2).reshape(R * qmax, q_out).index_select(0, q_index)
+            a = attend(qbuf, kc, vc).index_select(0, q_index)
             x2 = x + F.linear(a, w["o"])
             h2 = F.rms_norm(x2, (d,), w["ln2"])
             F.linear(h2, w["router"]).topk(m.top_k, dim=-1)
@@ -302,6 +278,27 @@ class StepKernels:
             if experts is not None:
                 experts(i)
         return fn
+
+
+def _by_request(requests, positions) -> dict[int, list[int]]:
+    """A step's dense tokens as request -> positions, requests in order of first token."""
+    order: dict[int, list[int]] = {}
+    for q, p in zip(requests, positions):
+        order.setdefault(int(q), []).append(int(p))
+    return order
+
+
+def _token_slots(requests, positions, order: dict[int, list[int]]) -> list[tuple[int, int, int]]:
+    """(request index, index within its request, position) of each token, in trace order."""
+    index = {q: r for r, q in enumerate(order)}
+    seen: dict[int, int] = {}
+    out = []
+    for q, p in zip(requests, positions):
+        r = index[int(q)]
+        i = seen.get(r, 0)
+        seen[r] = i + 1
+        out.append((r, i, int(p)))
+    return out
 
 
 def _varlen():

@@ -165,3 +165,35 @@ def test_replay_cli_says_one_line_on_bad_input(traced, plain, tmp_path):
     r = runner.invoke(app, ["hardware", "replay-steps", str(plain), "--out", str(tmp_path / "o"),
                             "--cpu", "--methods", "loop"])
     assert r.exit_code == 2 and "--trace-steps" in r.output
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k):
+    """Variable-length causal attention as flash attention defines it (each request's queries
+    aligned to the end of its keys), one request at a time: a CPU stand-in for the kernel."""
+    out = torch.empty_like(q)
+    for s in range(len(cu_q) - 1):
+        a, b, c, e = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        lq, lk = b - a, e - c
+        allowed = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1),
+            attn_mask=allowed).transpose(0, 1)
+    return out
+
+
+def test_varlen_and_masked_dense_parts_compute_the_same_layer():
+    """Whole prompts (every position 0..L-1 of each request in the step, interleaved): the
+    packed variable-length layout and the padded masked one give the same layer output from
+    the same inputs, so the two only differ in how the GPU runs them."""
+    from testbed.step_replay import StepKernels
+    k = StepKernels(get_model("qwen"), torch.device("cpu"), torch.Generator().manual_seed(0),
+                    1 << 20, 1, dtype=torch.float32)
+    requests = [7, 3, 7, 3, 7, 9, 9]
+    positions = [2, 0, 0, 1, 1, 1, 0]  # interleaved, and not in position order
+    k.gen = torch.Generator().manual_seed(1)
+    masked = k._dense_masked(requests, positions)(0)
+    k.varlen = (_varlen_reference, False)  # (GQA heads expanded, as with PyTorch 2.11's kernel)
+    k.gen = torch.Generator().manual_seed(1)
+    varlen = k._dense_varlen(requests, positions)(0)
+    assert masked.shape == (7, get_model("qwen").d_model)
+    torch.testing.assert_close(varlen, masked, rtol=1e-4, atol=1e-4)
