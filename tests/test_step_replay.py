@@ -77,9 +77,9 @@ def test_tracing_is_simulator_only_and_changes_no_record(traced, plain, tmp_path
     assert a == b
 
 
-def _record() -> pd.DataFrame:
-    df = pd.read_csv(RECORD / "steps-varlen.csv")
-    svc = HardwareService(one_server("h100-sxm"), get_model("qwen").shape())
+def _record(name: str = "varlen") -> pd.DataFrame:
+    """A recorded replay with the rule's charge recomputed by the current code (``now_ms``)."""
+    df = pd.read_csv(RECORD / f"steps-{name}.csv")
     shapes = {m: HardwareService(one_server("h100-sxm"), get_model(m).shape())
               for m in ("mixtral", "qwen")}
     model = []
@@ -99,6 +99,12 @@ def record() -> pd.DataFrame:
     return _record()
 
 
+@pytest.fixture(scope="module", params=["varlen", "seed2"])
+def records(request) -> pd.DataFrame:
+    """The 1,500 steps (seed 1) and a second sample with Prism's traffic too (seed 2)."""
+    return _record(request.param)
+
+
 def test_the_record_is_whole(record):
     env = json.loads((RECORD / "env-varlen.json").read_text())
     assert (env["name"], env["catalogue_class"]) == ("NVIDIA H100 80GB HBM3", "h100-sxm")
@@ -106,23 +112,23 @@ def test_the_record_is_whole(record):
     assert record.note.eq("CUDA graph").all() and (record.measured_ms > 0).all()
 
 
-def test_the_step_rule_charges_real_traffic_within_15_percent_in_sum(record):
-    """The stream time the rule charges for 500 steps of each trace against the H100's:
-    fused rule / grouped GEMMs 0.89-1.03 and per-expert rule / back-to-back FFNs 1.10-1.20
+def test_the_step_rule_charges_real_traffic_within_15_percent_in_sum(records):
+    """The stream time the rule charges for 200-500 steps of each trace against the H100's:
+    fused rule / grouped GEMMs 0.85-1.03 and per-expert rule / back-to-back FFNs 1.05-1.20
     when recorded (the 5 us launch over-charges CUDA graphs, most for Qwen's small experts)."""
-    sums = record.groupby(["method", "run"])[["now_ms", "measured_ms"]].sum()
+    sums = records.groupby(["method", "run"])[["now_ms", "measured_ms"]].sum()
     ratio = sums.now_ms / sums.measured_ms
-    assert ratio["grouped"].between(0.85, 1.10).all(), ratio.round(3).to_dict()
-    assert ratio["loop"].between(1.0, 1.30).all(), ratio.round(3).to_dict()
+    assert ratio["grouped"].between(0.80, 1.10).all(), ratio.round(3).to_dict()
+    assert ratio["loop"].between(0.98, 1.30).all(), ratio.round(3).to_dict()
 
 
-def test_per_step_errors_stay_in_their_recorded_bands(record):
+def test_per_step_errors_stay_in_their_recorded_bands(records):
     """Expert-only steps: fused rule / grouped 0.69-1.11 per step, per-expert / loop
     0.80-1.65 (Qwen's one-token experts); dense-only steps: the rule is 10-38% under the
     replay, whose unfused PyTorch dense part runs about 20 kernels where the rule charges
     eight launches (about 21 us more per step on the H100 whatever the token count)."""
-    experts = record[(record.replicas > 0) & (record.dense_tokens == 0)]
-    dense = record[record.replicas == 0]
+    experts = records[(records.replicas > 0) & (records.dense_tokens == 0)]
+    dense = records[records.replicas == 0]
     g = experts[experts.method == "grouped"].r
     lo = experts[experts.method == "loop"].r
     assert g.between(0.6, 1.2).all(), (g.min(), g.max())
@@ -130,6 +136,16 @@ def test_per_step_errors_stay_in_their_recorded_bands(record):
     assert dense.r.between(0.55, 1.0).all(), (dense.r.min(), dense.r.max())
     gap_us = (dense.measured_ms - dense.now_ms) * 1e3
     assert 10 < float(np.median(gap_us)) < 40
+
+
+def test_loads_from_host_memory_are_charged_within_10_percent():
+    """MoE-Infinity's traffic (10 req/s): steps that copy 4-8 CPU-resident Mixtral experts
+    in from pinned memory (26-52 ms on the H100, about 53 GB/s) are charged 1.07-1.09 of
+    that by the rule's PCIe term (80% of the class's 64 GB/s)."""
+    df = _record("loads")
+    loads = df[df.loads > 0]
+    assert len(loads) >= 30 and loads.loads.max() >= 6
+    assert loads.r.between(1.0, 1.15).all(), (loads.r.min(), loads.r.max())
 
 
 def test_replay_runs_recorded_steps_on_this_cpu(record):
