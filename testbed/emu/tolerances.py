@@ -6,3 +6,6 @@ read it without loading the emulator."""
 RATE_READBACK_REL = 0.02  # an HTB class's read-back rate within 2% of the configured B/T
 RELEASE_LATE_REL = 0.05  # a stream release later than 5% of its modeled service is late
 CPU_SATURATED_PCT = 95.0  # a one-second host CPU sample at or above this is saturation
+#: steps whose real kernels outlast their padding that are still host noise (a kernel
+#: preempted now and then); a worker is flagged above this and above 1% of its steps
+KERNEL_OVER_NOISE = 2
