@@ -22,8 +22,9 @@ the same step on that GPU's catalogue class (``testbed.steps.charge``):
 
 Every replica is replayed and charged at FP16 whatever precision the trace gave it
 (the comparison stays like for like; INT4 kernels are ``measure-gpu``'s ``int4``
-part). Weights rotate through two sets per replica slot so a call reads them from
-DRAM; each step is timed as a CUDA-graph replay (CPU: eagerly) by the same timers
+part). Expert weights rotate through sets, one per call, enough of them that even a
+step of one small expert reads four times the L2 cache per pass (``weight_sets``): a
+call reads its weights from DRAM; each step is timed as a CUDA-graph replay (CPU: eagerly) by the same timers
 as ``measure-gpu``. Models with self-attention only (Mixtral, Qwen).
 """
 
@@ -49,7 +50,17 @@ from .steps import charge
 METHODS = ("loop", "grouped")
 ATTENTION = ("varlen", "masked")
 RULE_OF = {"loop": "per_expert", "grouped": "fused"}
-SETS = 2  # weight sets per replica slot: consecutive calls never read the same weights
+#: expert weights on the device for the rotation, FP16 and the BF16 stacks together, at most
+POOL_BYTES = 32e9
+
+
+def weight_sets(expert_bytes: float, max_reps: int, l2: int) -> int:
+    """Weight sets to rotate through, call by call: at least two, and enough that a step of
+    one replica reads four times the L2 cache over the sets (``measure-gpu``'s rule), so
+    small experts are read from DRAM too; within ``POOL_BYTES``."""
+    want = max(2, math.ceil(4 * l2 / max(expert_bytes, 1.0)))
+    room = max(2, int(POOL_BYTES // (2 * max(max_reps, 1) * max(expert_bytes, 1.0))))
+    return min(want, room)
 
 
 def one_server(cls_name: str) -> Cluster:
@@ -117,11 +128,12 @@ class StepKernels:
         shape = model.shape()
         self.ffn = shape.expert_ffn
         self.max_reps = max(1, max_reps)
-        self.pool = [_ffn_weights(self.ffn, dtype, dev, gen) for _ in range(SETS * self.max_reps)]
+        self.sets = weight_sets(self.ffn.weight_bytes("fp16"), self.max_reps, l2)
+        self.pool = [_ffn_weights(self.ffn, dtype, dev, gen) for _ in range(self.sets * self.max_reps)]
         self.stacks = None
         if dev.type == "cuda":
             self.stacks = []
-            for k in range(SETS):
+            for k in range(self.sets):
                 ws = self.pool[k * self.max_reps:(k + 1) * self.max_reps]
                 self.stacks.append((torch.stack([w[0] for w in ws]).to(torch.bfloat16),
                                     torch.stack([w[1] for w in ws]).to(torch.bfloat16)))
@@ -236,10 +248,10 @@ class StepKernels:
         dev, d, R = self.dev, self.m.d_model, len(tokens)
         if method == "loop":
             xs = [_randn(self.gen, (c, d), dev, self.dtype) for c in tokens]
-            pool, gated, mr = self.pool, self.ffn.gated, self.max_reps
+            pool, gated, mr, sets = self.pool, self.ffn.gated, self.max_reps, self.sets
 
             def loop(i: int) -> None:
-                base = (i % SETS) * mr
+                base = (i % sets) * mr
                 for r, x in enumerate(xs):
                     run_ffn(x, *pool[base + r], gated)
             return loop
@@ -247,10 +259,10 @@ class StepKernels:
             raise HardwareError("grouped experts need CUDA (torch._grouped_mm)")
         xs = _randn(self.gen, (sum(tokens), d), dev, torch.bfloat16)
         offs = torch.tensor(np.cumsum(tokens), device=dev, dtype=torch.int32)
-        stacks, gated = self.stacks, self.ffn.gated
+        stacks, gated, sets = self.stacks, self.ffn.gated, self.sets
 
         def grouped(i: int) -> torch.Tensor:
-            w_in, w_out = stacks[i % SETS]
+            w_in, w_out = stacks[i % sets]
             h = torch._grouped_mm(xs, w_in[:R].transpose(-2, -1), offs=offs)
             if gated:
                 g, u = h.chunk(2, dim=-1)
@@ -334,6 +346,7 @@ def replay(steps, model, cls_name: str, dev: torch.device, reps: int = 7, seed: 
                           dtype=torch.float16 if dev.type == "cuda" else torch.float32,
                           attention=attention)
     graphs = dev.type == "cuda"
+    calls = max(calls, kernels.sets)  # every weight set once per timed pass
     for idx, row in zip(steps.index, steps.itertuples(index=False)):
         fp16 = [int(Precision.FP16)] * len(row.rep_tokens)
         base = dict(step=int(idx), server=int(row.server), replicas=len(row.rep_tokens),
