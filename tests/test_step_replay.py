@@ -78,8 +78,13 @@ def test_tracing_is_simulator_only_and_changes_no_record(traced, plain, tmp_path
 
 
 def _record(name: str = "varlen") -> pd.DataFrame:
-    """A recorded replay with the rule's charge recomputed by the current code (``now_ms``)."""
+    """A recorded replay with the rule's charge recomputed by the current code (``now_ms``).
+    The seed-1 sample's Qwen steps are those of the re-run whose weights rotated through 13
+    sets (the first run's two 17 MB sets fit the H100's L2 cache)."""
     df = pd.read_csv(RECORD / f"steps-{name}.csv")
+    if name == "varlen":
+        qwen = pd.read_csv(RECORD / "steps-qwen-rotated.csv")
+        df = pd.concat([df[df.run != "qwen-hetroute"], qwen], ignore_index=True)
     shapes = {m: HardwareService(one_server("h100-sxm"), get_model(m).shape())
               for m in ("mixtral", "qwen")}
     model = []
@@ -106,8 +111,9 @@ def records(request) -> pd.DataFrame:
 
 
 def test_the_record_is_whole(record):
-    env = json.loads((RECORD / "env-varlen.json").read_text())
-    assert (env["name"], env["catalogue_class"]) == ("NVIDIA H100 80GB HBM3", "h100-sxm")
+    for f in ("env-varlen.json", "env-qwen-rotated.json"):
+        env = json.loads((RECORD / f).read_text())
+        assert (env["name"], env["catalogue_class"]) == ("NVIDIA H100 80GB HBM3", "h100-sxm")
     assert record.groupby(["run", "method"]).size().tolist() == [500] * 6
     assert record.note.eq("CUDA graph").all() and (record.measured_ms > 0).all()
 
@@ -123,8 +129,8 @@ def test_the_step_rule_charges_real_traffic_within_15_percent_in_sum(records):
 
 
 def test_per_step_errors_stay_in_their_recorded_bands(records):
-    """Expert-only steps: fused rule / grouped 0.69-1.11 per step, per-expert / loop
-    0.80-1.65 (Qwen's one-token experts); dense-only steps: the rule is 10-38% under the
+    """Expert-only steps: fused rule / grouped 0.63-1.11 per step, per-expert / loop
+    0.80-1.65 (Qwen's small experts; 1.25-1.41 where their weights rotate through 13 sets); dense-only steps: the rule is 10-38% under the
     replay, whose unfused PyTorch dense part runs about 20 kernels where the rule charges
     eight launches (about 21 us more per step on the H100 whatever the token count)."""
     experts = records[(records.replicas > 0) & (records.dense_tokens == 0)]
