@@ -152,10 +152,6 @@ class RecordWriter:
         """In-memory results (when ``out_dir`` is None)."""
         return (_concat(self._frames["token_layers"]), _concat(self._frames["requests"]))
 
-    def step_frame(self) -> pd.DataFrame:
-        """In-memory step table (when ``out_dir`` is None and steps are traced)."""
-        return _concat(self._frames["steps"])
-
 
 def _concat(tables: list[pa.Table]) -> pd.DataFrame:
     if not tables:
