@@ -241,7 +241,7 @@ def replay_steps(runs: list[Path] = typer.Argument(..., help="run folders writte
     from workloads.models import get_model
 
     from .gpu_profile import class_for, environment, l2_bytes
-    from .step_replay import METHODS, Replay, replay, sample, summarise, trace_of
+    from .step_replay import METHODS, RULE_OF, Replay, replay, sample, summarise, trace_of
     chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
     bad = [m for m in chosen if m not in METHODS]
     if bad or not chosen:
@@ -303,10 +303,8 @@ def replay_steps(runs: list[Path] = typer.Argument(..., help="run folders writte
             if not m.get("steps"):
                 typer.echo(f"{run_dir} {method}: no step measured")
                 continue
-            typer.echo(f"{run_dir} {method} ({RULE_NAME.get(method, method)}): {m['steps']} steps, "
+            typer.echo(f"{run_dir} {method} (rule {RULE_OF[method]}): {m['steps']} steps, "
                        f"model/measured median {m['ratio_median']:.3f} (p10 {m['ratio_p10']:.3f}, "
                        f"p90 {m['ratio_p90']:.3f}), sums {m['model_ms_sum']:.2f} / "
                        f"{m['measured_ms_sum']:.2f} ms = {m['ratio_of_sums']:.3f}")
 
-
-RULE_NAME = {"loop": "rule per_expert", "grouped": "rule fused"}

@@ -64,13 +64,15 @@ def weight_sets(expert_bytes: float, max_reps: int, l2: int) -> int:
 
 
 def one_server(cls_name: str) -> Cluster:
-    """A cluster of one server of a catalogue class: where the rule charges a step on it."""
-    g = gpu_class(cls_name)
-    return Cluster(names=(g.name,), flops=(g.fp16_tflops * 1e12,), pcie=(g.pcie_gb_s * 1e9,),
-                   gpu_bytes=(g.mem_gb * 1e9,), cpu_bytes=(max(64.0, 2 * g.mem_gb) * 1e9,),
-                   bandwidth=((0.0,),), delay=((0.0,),), gpu_class=(g.name,),
-                   mem_bw=(g.mem_bw_gb_s * 1e9,), alu_flops=(g.alu_tflops * 1e12,),
-                   precisions=(g.precisions,))
+    """A cluster of one server of a catalogue class, derived as a topology file's
+    ``gpu: CLASS`` is: where the rule charges a step on that GPU."""
+    from topologies import TopologyError, parse_topology
+    try:
+        mem = gpu_class(cls_name).mem_gb
+        return parse_topology({"name": cls_name, "servers": [
+            {"name": cls_name, "gpu": cls_name, "cpu_mem_gb": max(64.0, 2 * mem)}]}).to_cluster()
+    except TopologyError as err:
+        raise HardwareError(str(err)) from None
 
 
 def sample(steps, n: int, seed: int):
