@@ -48,6 +48,12 @@ class Compute:
     def _on_hidden(self, frame: Frame, arrival: float) -> None:
         h = frame.msg
         key = (h.request, h.token, h.layer, h.seq)
+        folded = self._folded(h)
+        if folded and h.aggregator == self.rank:  # the header: the state comes in the partial
+            g = self._gather(key)
+            g.msg, g.hidden, g.opened = h, None, h.t_dispatch
+            self._maybe_complete(g)
+            return
         x = frame.tensor().clone()
         received = x
         if h.aggregator == self.rank:
@@ -64,7 +70,13 @@ class Compute:
             _, weights = self._routing(h.request, self._n_tokens(h.request, h))
             w = weights[h.token, h.layer]
         t_arr = (arrival - self.t0) / self.T
-        p = Participation(key, h, len(mine), torch.zeros(self.d), t_arr, hidden=received)
+        if not folded:
+            start = torch.zeros(self.d)
+        elif self.inrun is not None:  # the residual and what the aggregator adds to it
+            start = self.inrun.combine(h.layer, received, [])
+        else:
+            start = received.clone()
+        p = Participation(key, h, len(mine), start, t_arr, hidden=received)
         self.parts[key] = p
         rid, index, prio = h.request, h.token, self._prio(h.request)
         for j, r in mine:

@@ -79,9 +79,10 @@ class Peers:
         ``at`` is the model time the frame is sent: a frame to this server itself arrives
         then (no link to cross), not when the event loop got round to sending it, so the
         worker's own Python time does not move its jobs' arrival (as in the simulator).
-        ``modeled=False``: a frame the simulator does not send (the hidden state for an
-        aggregator that runs none of the layer's experts, which a real participant would
-        fold into its partial): it takes no part in the congestion window."""
+        ``modeled=False``: a frame the simulator does not send (the HIDDEN frame for an
+        aggregator that runs none of the layer's experts: the header alone where the one
+        participant folds the residual into its partial, else the state, which a real
+        participant would fold): it takes no part in the congestion window."""
         if dst == self.rank:
             self.loop.call_soon(self._on_frame, frame,
                                 time.monotonic() if at is None else self.wall(at))

@@ -1,6 +1,10 @@
 """Routing at the token's residing server: the dense part, the decision on this
 server's own ``StateView``, and the fan-out of the hidden state (one HIDDEN frame
-per participant and the aggregator, each carrying the whole assignment).
+per participant and the aggregator, each carrying the whole assignment). Where
+this server is the layer's only participant and another server sums it (a
+pipeline's hand-off), the residual rides in this server's partial and the
+aggregator's frame is the header alone: one hidden state crosses, as the
+simulator charges and as an engine that folds the residual sends.
 
 A hidden state that cannot be delivered, or a layer whose partial is lost, is
 routed again from the server holding the state: at most two retries per layer,
@@ -21,10 +25,11 @@ from hetroute.state import TokenView, Unroutable
 from ...core import Routed
 from ...steps import DENSE, Job
 from ..stream import Work
-from ..wire import DType, Hidden, Pick, Token
+from ..wire import DType, Hidden, Pick, Token, tensor_frame
 
 ROUTING_CACHE = 4096  # requests whose trace routing is kept
 DECISIONS_KEPT = 1 << 16  # decisions kept for their feedback (then the oldest go)
+EMPTY = torch.empty(0)  # the payload of a folded layer's HIDDEN frame to its aggregator
 
 
 class Routing:
@@ -183,6 +188,11 @@ class Routing:
                              for e, r, m in zip(a.targets, a.replicas, a.modes)),
             router_ctx=tuple(tv.ctx) if tv.ctx else (), dtype=DType.FLOAT32, shape=(self.d,),
             est_delay_us=int(round(a.est_delay * 1e6)) if 0 <= a.est_delay < 1e6 else -1)
+        agg = int(a.next_server)
+        # a layer whose only participant is this server, summed elsewhere (a pipeline's
+        # hand-off): the residual rides in this server's partial (compute.py), as an engine
+        # folds it and as the simulator sends one message; the aggregator gets the header
+        folded = participants == [self.rank] and agg != self.rank
         # one encoding for every destination, or one per destination with its group's count
         frame = self._hidden_frame(out, h) if group is None else None
         key = (rid, index, layer, out.seq)
@@ -192,13 +202,16 @@ class Routing:
 
         def lost(peer: int) -> None:  # the state never reached ``peer``: route again from here
             self._relayer(key, out, h, f"server {self.setup.cluster.names[peer]} lost")
-        # the aggregator needs the state even where it runs none of the targets
-        # (a whole-layer pipeline such as EdgeShard aggregates away from its experts)
+        # the aggregator needs the state even where it runs none of the targets (it sums the
+        # partials into it), unless this server, the only participant, folds it in its partial
         self.hop_dispatch.append(time.monotonic() - self.wall(t_disp))
-        for n in sorted(set(participants) | {int(a.next_server)}):
-            if group is not None:
-                frame = self._hidden_frame(replace(out, group=group[0], group_n=group[1][n]), h)
-            if not self._send(n, frame, lost, at=t_disp, modeled=n in routed.per_server):
+        for n in sorted(set(participants) | {agg}):
+            msg = out if group is None else replace(out, group=group[0], group_n=group[1][n])
+            if folded and n == agg:
+                f = tensor_frame(msg, EMPTY)  # the header: no state, no padding
+            else:
+                f = frame if group is None else self._hidden_frame(msg, h)
+            if not self._send(n, f, lost, at=t_disp, modeled=n in routed.per_server):
                 self.relayered.add(key)  # retried below; what was sent of it is stale
                 self.view.alive[n] = False
                 self.view.faultless = False
@@ -213,11 +226,27 @@ class Routing:
     def _participants(self, h: Hidden) -> set[int]:
         return {self.dep.replicas[p.replica].server for p in h.assignment}
 
+    def _folded(self, h: Hidden) -> bool:
+        """The residing server is the layer's only participant and another server sums it:
+        its partial carries the residual, and the aggregator's HIDDEN frame only the header
+        (``_dispatch``)."""
+        return h.aggregator != h.src and self._participants(h) == {h.src}
+
     def _reroute(self, g, why: str) -> None:
-        """A participant or partial is lost: route the layer again from here."""
+        """A participant or partial is lost: route the layer again from here. A folded
+        layer's state is held only by its residing server, the lost participant: the token
+        fails, as the simulator fails a token whose residing server died. (Where that server
+        lives on behind a cut link, it also routes the layer again; the home records the
+        request once, failed.)"""
         self.gathers.pop(g.key, None)
-        if g.msg is not None:
-            self._relayer(g.key, g.msg, g.hidden, why)
+        if g.msg is None:
+            return
+        if g.hidden is None:
+            if g.key not in self.relayered:
+                self.relayered.add(g.key)
+                self._token_failed(g.msg, why)
+            return
+        self._relayer(g.key, g.msg, g.hidden, why)
 
     def _relayer(self, key: tuple, h: Hidden, hidden: torch.Tensor | None, why: str) -> None:
         """Route attempt ``key`` (sent as ``h``, with its state) again from this server, once;
