@@ -35,8 +35,10 @@ def proxy(request, corpus):
     return model, seg, idx
 
 
-def _step(st: ProxyStepper, rid: int, idx, exec_, prec, split: bool = False):
-    """One request position by position, as the workers pass it around; per-token KL."""
+def _step(st: ProxyStepper, rid: int, idx, exec_, prec, split: bool = False, fold: bool = False):
+    """One request position by position, as the workers pass it around; per-token KL.
+    ``fold``: as a pipeline stage hands a layer on (testbed/emu/node/compute.py), the
+    residual and what the aggregator adds to it in the partial, the aggregator summing."""
     cfg = st.cfg
     kls = []
     for pos in range(idx.shape[0]):
@@ -49,7 +51,10 @@ def _step(st: ProxyStepper, rid: int, idx, exec_, prec, split: bool = False):
             for j in range(cfg.top_k):
                 y = st.expert(layer, int(exec_[pos, layer, j]), int(prec[pos, layer, j]), x[None])[0]
                 parts[j % 2 if split else 0] += w[j] * y
-            h = st.combine(layer, h, parts[1] + parts[0] if split else parts[0])
+            if fold:
+                h = st.combine(layer, h, torch.zeros_like(h)) + parts[0]
+            else:
+                h = st.combine(layer, h, parts[1] + parts[0] if split else parts[0])
         kls.append(st.score(rid, pos, h)[0])
     return np.array(kls)
 
@@ -109,6 +114,18 @@ def test_partial_sums_from_two_servers_give_the_same_token(proxy):
     two = _step(st, 0, idx[0], idx[0], prec, split=True)
     assert np.allclose(one, two, rtol=1e-4, atol=1e-10)
     assert np.all(one > 0)
+
+
+def test_a_folded_residual_gives_the_same_token(proxy):
+    """The emulator's folded hand-off relies on the aggregator's combine being the residual
+    (and Qwen's shared expert of it) plus the routed sum: linear in the routed part."""
+    model, seg, idx = proxy
+    st = ProxyStepper(model, {0: seg[0]})
+    prec = np.full_like(idx[0], int(Precision.INT4))
+    plain = _step(st, 0, idx[0], idx[0], prec)
+    folded = _step(st, 0, idx[0], idx[0], prec, fold=True)
+    assert np.allclose(plain, folded, rtol=1e-4, atol=1e-10)
+    assert np.all(plain > 0)
 
 
 def test_text_longer_than_the_context_is_refused(corpus):
