@@ -91,17 +91,14 @@ class Aggregation:
         # not when this loop got round to it
         t = max(h.t_dispatch, max(p[3] for p in g.partials.values()))
         picks = h.assignment
-        if g.hidden is None:  # folded: the one partial carries the residual (compute.py)
-            out = sum((p[0] for p in g.partials.values()), torch.zeros(self.d))
-            if self.inrun is None:
-                out = out / out.pow(2).mean().clamp_min(1e-12).sqrt()
-        elif self.inrun is not None:
+        if self.inrun is not None and g.hidden is not None:
             out = self.inrun.combine(h.layer, g.hidden, [p[0] for p in g.partials.values()])
-        else:
-            out = g.hidden.clone()
+        else:  # folded (no state here): the one partial carries the residual (compute.py)
+            out = torch.zeros(self.d) if g.hidden is None else g.hidden.clone()
             for part in g.partials.values():
                 out += part[0]
-            out = out / out.pow(2).mean().clamp_min(1e-12).sqrt()
+            if self.inrun is None:
+                out = out / out.pow(2).mean().clamp_min(1e-12).sqrt()
         theta = h.src  # the residing server sent the state
         gpus = [True] * len(picks)
         for *_, ran in g.partials.values():

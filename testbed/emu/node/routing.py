@@ -189,10 +189,7 @@ class Routing:
             router_ctx=tuple(tv.ctx) if tv.ctx else (), dtype=DType.FLOAT32, shape=(self.d,),
             est_delay_us=int(round(a.est_delay * 1e6)) if 0 <= a.est_delay < 1e6 else -1)
         agg = int(a.next_server)
-        # a layer whose only participant is this server, summed elsewhere (a pipeline's
-        # hand-off): the residual rides in this server's partial (compute.py), as an engine
-        # folds it and as the simulator sends one message; the aggregator gets the header
-        folded = participants == [self.rank] and agg != self.rank
+        folded = self._folded(out)  # the same rule the receivers apply (compute.py)
         # one encoding for every destination, or one per destination with its group's count
         frame = self._hidden_frame(out, h) if group is None else None
         key = (rid, index, layer, out.seq)
