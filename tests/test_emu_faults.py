@@ -84,3 +84,50 @@ def test_cut_link_ends_every_request_within_a_few_windows(tmp_path: Path) -> Non
     # a peer is heard at least once a window (STATE), so SILENT_WINDOWS of silence is a loss
     assert max(max(g for i, g in enumerate(w["max_silence_windows"]) if i != w["rank"])
                for w in workers) < SILENT_WINDOWS
+
+
+#: small3's links with 1 GB per GPU, so EdgeShard pipelines the model: hub runs layers 0-2
+#: and 11, edge 3-10 (the same shape as ``test_emu.TIGHT3``)
+PIPELINED = {"name": "tight3", "servers": [
+    {"name": n, "gpu_tflops": f, "pcie_gb_s": 16, "mem_bw_gb_s": 600, "gpu_mem_gb": 1.0,
+     "cpu_mem_gb": 0.05} for n, f in (("edge", 36), ("hub", 150), ("mid", 71))],
+    "links": [{"src": a, "dst": b, "bandwidth_gbps": bw, "delay_ms": d, "symmetric": True}
+              for a, b, bw, d in (("edge", "hub", 5.0, 2.0), ("edge", "mid", 0.8, 15.0),
+                                  ("hub", "mid", 2.5, 6.0))]}
+#: request 7 (home hub) arrives at 0.396 s and is inside edge's stage from about 2.5 to 9
+#: ms after: killed at 0.402 s, edge takes its tokens with it (the simulator: "server
+#: edge died", 5.9 ms after its arrival)
+KILL_S = 0.402
+
+
+def test_a_killed_pipeline_stage_ends_the_requests_inside_it_within_a_few_windows(
+        tmp_path: Path) -> None:
+    """The tokens inside a server that dies (their frames to it acknowledged, nothing of
+    theirs in flight to another) are known only to their home's custody reports: the
+    home fails them a grace after nobody hears the server, where they used to wait for
+    the drain cap."""
+    import yaml
+    topo = tmp_path / "tight3.yaml"
+    topo.write_text(yaml.safe_dump(PIPELINED))
+    spec = {**SPEC, "topology": str(topo), "router": {"name": "edgeshard"},
+            "workload": {**SPEC["workload"], "duration_s": 1.0},
+            "faults": [{"kind": "kill_worker", "at_s": KILL_S, "server": "edge"}]}
+    _, _, sim = _records({**spec, "backend": "sim"}, tmp_path / "sim")
+    inside = sim[(sim.arrival_s < KILL_S) & (sim.reason == "server edge died")]
+    assert len(inside) == 1, sim  # the spec must put a request inside edge at the kill
+    spec, res, rq = _records({**spec, "backend": "emu",
+                              "emu": {"dilation": "auto", "max_drain_s": 1.0}}, tmp_path / "emu")
+    assert len(rq) == len(sim) and rq.request.is_unique
+    st = res.info["stats"]
+    failed = rq[rq.status == "failed"]
+    assert (failed.reason.str.len() > 0).all()
+    # the runner records the dead server's own requests (no home to record them), nothing else
+    orphans = failed[failed.reason.str.contains("no record|timeout")]
+    assert (orphans.home == 0).all() and st["requests_unrecorded"] == len(orphans), orphans
+    assert not st["timed_out"]
+    end = rq.arrival_s + rq.latency_s
+    after = (end - rq.arrival_s.clip(lower=KILL_S)) / spec.window_s
+    late = rq[(end > KILL_S) & (rq.status == "failed") & (after > FAIL_WINDOWS)]
+    assert late.empty, late[["request", "home", "arrival_s", "latency_s", "status", "reason"]]
+    r = rq.set_index("request").loc[int(inside.request.iloc[0])]
+    assert r.status == "failed" and r.reason == "server edge lost holding a token", r

@@ -89,6 +89,8 @@ _control = {
     "auth": st.builds(w.Auth, _u16, st.binary(min_size=w.MAC_BYTES, max_size=w.MAC_BYTES)),
     "feedback": st.builds(w.Feedback, _u16, _u64, _u32, _u16, _u64, _u64, _fin, _fin, _fin, _u64,
                           _u16, st.lists(st.booleans(), max_size=12).map(tuple)),
+    "custody": st.builds(w.Custody, _u16, _fin,
+                         st.lists(st.builds(w.Held, _u64, _u32), max_size=20).map(tuple)),
 }
 control_frames = st.one_of(*_control.values()).map(Frame)
 any_frame = st.one_of(data_frames(), control_frames)

@@ -45,13 +45,14 @@ from hetroute.state import Mode
 MAGIC = b"HRTW"
 #: a congestion-window wait longer than this is a sender's bug, not a window
 MAX_HOLD_S = 3600.0
-VERSION = 6  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
+VERSION = 7  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
 #: 5: HIDDEN, PARTIAL and TOKEN carry their congestion-window wait (``hold_s``); 6: HIDDEN
-#: carries the router's delay estimate (``est_delay_us``)
+#: carries the router's delay estimate (``est_delay_us``); 7: CUSTODY
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
 MAX_SERVERS = 4096  # entries of a per-server list (STATE)
+MAX_HELD = 4096  # (request, token) entries of one CUSTODY frame (more are sent as more frames)
 MAX_REASON = 255  # UTF-8 bytes of a FAIL reason
 MAX_META = 0xFFFF  # bytes of a message's fields (its ``meta_len`` is 16-bit)
 NONCE_BYTES = 16
@@ -78,6 +79,7 @@ class Kind(IntEnum):
     CHALLENGE = 9
     AUTH = 10
     FEEDBACK = 11
+    CUSTODY = 12
 
 
 class DType(IntEnum):
@@ -246,6 +248,24 @@ class Fail:
     reason: str  # at most MAX_REASON bytes of UTF-8 (``fail`` cuts longer ones)
 
 
+class Held(NamedTuple):
+    """A token whose hidden state a server holds (``Custody``)."""
+
+    request: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Custody:
+    """Tokens of the receiver's requests that the sender holds at ``t_send`` (sent each
+    window in runs that inject faults; a long list as several frames): a home fails the
+    tokens whose last holder died, which nobody else knows of (``faults``)."""
+
+    src: int
+    t_send: float  # model time the list was taken
+    held: tuple[Held, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Shutdown:
     src: int
@@ -286,7 +306,7 @@ class Auth:
 
 
 Message = Union[Hidden, Partial, Token, State, Fail, Shutdown, Ping, Pong, Challenge, Auth,
-                Feedback]
+                Feedback, Custody]
 TENSOR_MESSAGES = (Hidden, Partial, Token)
 
 
@@ -387,7 +407,7 @@ ENVELOPE_SIZE = _ENVELOPE.size
 _KIND_OF: dict[type, Kind] = {Hidden: Kind.HIDDEN, Partial: Kind.PARTIAL, Token: Kind.TOKEN,
                               State: Kind.STATE, Fail: Kind.FAIL, Shutdown: Kind.SHUTDOWN,
                               Ping: Kind.PING, Pong: Kind.PONG, Challenge: Kind.CHALLENGE,
-                              Auth: Kind.AUTH, Feedback: Kind.FEEDBACK}
+                              Auth: Kind.AUTH, Feedback: Kind.FEEDBACK, Custody: Kind.CUSTODY}
 _CLASS_OF = {k: c for c, k in _KIND_OF.items()}
 
 _REQ = (("request", "Q"), ("token", "I"), ("layer", "H"), ("seq", "Q"))
@@ -402,6 +422,7 @@ _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
             ("hold_s", "d")),
     State: (("src", "H"), ("window", "Q"), ("opened_at", "d"), ("t_send", "d"), ("backlog_s", "d")),
     Fail: (("src", "H"), ("home", "H"), ("request", "Q"), ("token", "I")),
+    Custody: (("src", "H"), ("t_send", "d")),
     Shutdown: (("src", "H"),),
     Ping: (("src", "H"), ("seq", "Q"), ("t_send", "d")),
     Pong: (("src", "H"), ("seq", "Q"), ("t_ping", "d"), ("t_send", "d")),
@@ -430,6 +451,7 @@ _LISTS: dict[type, tuple[_List, ...]] = {
     State: (_List("alive", "H", "B", MAX_SERVERS), _List("received", "H", "Q", MAX_SERVERS)),
     Fail: (_List("reason", "B", "B", MAX_REASON),),
     Feedback: (_List("gpus", "H", "B", MAX_PICKS),),
+    Custody: (_List("held", "H", "QI", MAX_HELD, Held),),
 }
 _BOOL_SCALARS = {"final"}
 _FLOAT_NAMES = {n for lay in _SCALARS.values() for n, f in lay if f == "d"}

@@ -8,7 +8,8 @@ concern under ``testbed/emu/node/``: the residing server routes and fans out
 (``routing``), participants compute on the modeled GPU stream (``compute``),
 the aggregator sums, records and hands the token on (``aggregation``), peers
 exchange window state and acknowledgements (``peers``), losses are resolved
-where the hidden state is (``faults``), requests advance at their home
+where the hidden state is, or at the home from its custody reports (``faults``),
+requests advance at their home
 (``requests``), and ``quality.inrun`` runs the trained proxy (``inrun``).
 Times are reported in emulated seconds (wall / T).
 
@@ -135,6 +136,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                       "handler_errors": 0}
         self.stopping = False
         self._init_peers()
+        self._init_faults()
         self._init_routing()
         self._init_aggregation()
         self._init_compute()

@@ -7,20 +7,93 @@ aggregator does when a participant's partial cannot come. A token that cannot
 continue is reported to its home (FAIL, with the reason; relayed through
 another peer when the home cannot be reached directly) and its request
 recorded as failed there. Timeouts are armed only in runs that inject faults.
+
+A token inside a server that dies (the server summing its layer, or routing its
+next one) is known to nobody else: its frames were acknowledged. So in runs that
+inject faults every server tells each home, every window, which of its tokens it
+holds (CUSTODY), and a home keeps each token's latest holder. When a lost peer is
+heard by no peer either (dead, not behind a cut link), ``CUSTODY_GRACE`` windows
+after the loss the home fails the requests whose tokens it last knew there, as
+the simulator fails a token whose residing server died. (A cut link does not do
+it: the server lives on and fails what it cannot send home itself.)
 """
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections import deque
 
-from ..wire import Fail, Frame, Hidden, Token, fail
+from ..wire import MAX_HELD, Custody, Fail, Frame, Held, Hidden, Token, fail
+
+#: windows after a peer's loss before its tokens are given up: a token it handed on just
+#: before dying is reported by its new holder within a window and its link's delay
+CUSTODY_GRACE = 2
 
 
 class Faults:
-    def _check_timeouts(self) -> None:
+    """Owns ``holding``, ``custody``, ``lost_at`` and ``peer_alive``."""
+
+    def _init_faults(self) -> None:
+        #: (request, token) -> home of the tokens this server routes next (between a layer's
+        #: start here and its dispatch); with the layers it sums (``gathers``) what it holds
+        self.holding: dict[tuple[int, int], int] = {}
+        #: at a home, request -> token -> (server, model time) of its latest holder reported
+        self.custody: dict[int, dict[int, tuple[int, float]]] = {}
+        self.lost_at: dict[int, float] = {}  # lost peer -> wall time of the loss
+        self.peer_alive: dict[int, tuple[bool, ...]] = {}  # peer -> who it hears (its STATE)
+
+    def _send_custody(self) -> None:
+        """Each home the tokens of its requests held here (runs with faults only)."""
+        per_home: dict[int, list[Held]] = {}
+        for (rid, tok), home in self.holding.items():
+            per_home.setdefault(home, []).append(Held(rid, tok))
+        for g in self.gathers.values():
+            if g.msg is not None:
+                per_home.setdefault(g.msg.home, []).append(Held(g.key[0], g.key[1]))
+        t = self.now()
+        for home, held in per_home.items():
+            if home == self.rank:
+                self._on_custody(Custody(self.rank, t, tuple(held)))
+            elif self.reachable[home]:
+                for i in range(0, len(held), MAX_HELD):
+                    self._send(home, Frame(Custody(self.rank, t, tuple(held[i:i + MAX_HELD]))))
+
+    def _on_custody(self, m: Custody) -> None:
+        for rid, tok in m.held:
+            rq = self.requests.get(rid)
+            if rq is None or rq.done:
+                continue
+            toks = self.custody.setdefault(rid, {})
+            if tok not in toks or toks[tok][1] <= m.t_send:
+                toks[tok] = (m.src, m.t_send)
+
+    def _check_custody(self) -> None:
+        """Fail the requests whose tokens were last held by a peer that nobody hears."""
+        for rid in [r for r in self.custody if self.requests[r].done]:
+            del self.custody[rid]
+        grace = CUSTODY_GRACE * self.window * self.T
+        now = time.monotonic()
+        for p, since in list(self.lost_at.items()):
+            if now - since < grace:
+                continue
+            if any(self.reachable[q] and self.peer_alive.get(q, ())[p:p + 1] == (True,)
+                   for q in range(self.N) if q not in (self.rank, p)):
+                continue  # heard by a peer: alive behind a cut link, failing what it must itself
+            del self.lost_at[p]
+            why = f"server {self.setup.cluster.names[p]} lost holding a token"
+            for rid, toks in list(self.custody.items()):
+                rq = self.requests[rid]
+                if any(s == p and tok not in rq.finished for tok, (s, _) in toks.items()):
+                    self.stats["custody_failed"] = self.stats.get("custody_failed", 0) + 1
+                    self._request_failed(rq, why)
+
+    def _fault_tick(self) -> None:
+        """Each window, in runs that inject faults: custody reports and checks, timeouts."""
         if not self.cfg.faults:
             return
+        self._send_custody()
+        self._check_custody()
         t = self.now()
         for key, g in list(self.gathers.items()):
             if self._stale(key):
@@ -35,6 +108,7 @@ class Faults:
         if not self.reachable[peer]:
             return
         self.reachable[peer] = False
+        self.lost_at[peer] = time.monotonic()
         self.view.alive[peer] = False
         self.view.faultless = False
         self._log(f"peer {peer} unreachable: {why}")
@@ -53,6 +127,7 @@ class Faults:
 
     def _token_failed(self, tok: Token | Hidden, reason: str) -> None:
         self.stats["failed_tokens"] += 1
+        self.holding.pop((tok.request, tok.token), None)
         home = tok.home
         if home == self.rank:
             rq = self.requests.get(tok.request)

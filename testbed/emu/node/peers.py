@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from ..wire import (TENSOR_MESSAGES, Fail, Feedback, Frame, Hidden, Partial, State, Token,
+from ..wire import (TENSOR_MESSAGES, Custody, Fail, Feedback, Frame, Hidden, Partial, State, Token,
                     encode_header, tensor_frame)
 
 #: a peer silent this many windows is lost (it sends STATE every window). Over 8,288
@@ -70,7 +70,7 @@ class Peers:
         snap = list(self.peer_backlog)
         snap[self.rank] = backlog
         self.view.refresh(window, window * self.window, snap, list(self.reachable))
-        self._check_timeouts()
+        self._fault_tick()
         self.loop.call_at(self.wall((window + 1) * self.window), self._tick, window + 1)
 
     def _send(self, dst: int, frame: Frame, resolve=None, at: float | None = None,
@@ -183,12 +183,15 @@ class Peers:
                 self._on_token(frame, arrival)
             elif isinstance(m, State):
                 self.peer_backlog[m.src] = m.backlog_s
+                self.peer_alive[m.src] = m.alive
                 if m.received:
                     self._acked(m.src, m.received)
             elif isinstance(m, Feedback):
                 self._on_feedback(m)
             elif isinstance(m, Fail):
                 self._on_fail(m)
+            elif isinstance(m, Custody):
+                self._on_custody(m)
         except Exception:  # one bad token must not take the server down
             self.stats["handler_errors"] = self.stats.get("handler_errors", 0) + 1
             self._log(f"error handling a {type(m).__name__} frame:\n" + traceback.format_exc())

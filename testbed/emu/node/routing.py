@@ -77,6 +77,7 @@ class Routing:
         """``t_layer``: the model time the token reached this server (its layer's start);
         now when not given."""
         t_layer = self.now() if t_layer is None else t_layer
+        self.holding[(tok.request, tok.token)] = tok.home  # until its dispatch (faults.py)
         if self.inrun is not None:  # the layer's attention (and dense block) runs here
             h = self.inrun.attend(tok.request, tok.token, tok.layer, h)
         if not self.hardware:  # the paper's world: a per-token delay outside the stream
@@ -219,6 +220,7 @@ class Routing:
                 else:
                     self._token_failed(tok, f"cannot reach server {n}")
                 return
+        self.holding.pop((rid, index), None)  # its holder is now the aggregator
 
     def _participants(self, h: Hidden) -> set[int]:
         return {self.dep.replicas[p.replica].server for p in h.assignment}
@@ -258,4 +260,5 @@ class Routing:
         self.stats["retries"] += 1
         tok = Token(src=self.rank, request=h.request, token=h.token, layer=h.layer, seq=h.seq,
                     home=h.home, lam_acc=h.lam_acc, final=False, router_ctx=h.router_ctx)
+        self.holding[(h.request, h.token)] = h.home
         self._decide(tok, hidden, h.t_layer, h.retries + 1)
