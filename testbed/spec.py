@@ -169,6 +169,13 @@ class NetSpec(_Model):
                              "halves its window")
     idle_decay: bool = Field(True, description="net.ipv4.tcp_slow_start_after_idle (Linux "
                              "default 1)")
+    #: ``bursts`` stays the default until the TCP-world figures are run again under
+    #: ``segments`` (README, "TCP's window")
+    tcp_model: Literal["bursts", "segments"] = Field(
+        "bursts", description="'bursts': slow start in flights; a message that starts after "
+        "the last byte left begins a new burst with the grown window and nothing in flight; "
+        "'segments': the ACK clock segment by segment (a message just after a burst finds its "
+        "last flight still unacknowledged)")
     #: ``links`` is the physical rule and the default; ``instant`` is the paper's omniscient
     #: one, kept to measure what it changes (README, "What servers know of each other travels")
     control: Literal["links", "instant"] = Field(
@@ -183,7 +190,8 @@ class NetSpec(_Model):
     def params(self):
         from .tcp import TcpParams
 
-        return TcpParams(self.init_cwnd, self.mss_bytes, self.rto_min_s, self.idle_decay)
+        return TcpParams(self.init_cwnd, self.mss_bytes, self.rto_min_s, self.idle_decay,
+                         self.tcp_model)
 
 
 class EngineSpec(_Model):

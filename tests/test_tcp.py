@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from testbed.tcp import HoldClock, TcpParams, TcpWindow, hold_clocks, windows
+from testbed.tcp import AckClock, HoldClock, TcpParams, TcpWindow, hold_clocks, windows
 
 MSS = 1448
 RATE = 125e6  # 1 Gbit/s in bytes/s
@@ -80,13 +80,15 @@ def test_without_idle_decay_a_warm_window_stays_warm():
     assert w.wait(w.last_end + 60.0, 400 * MSS, 400 * seg) == 0.0
 
 
+@pytest.mark.parametrize("model", ["bursts", "segments"])
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 2.0), st.integers(1, 2000)), min_size=1, max_size=30),
        st.floats(1e-4, 0.05), st.floats(1e7, 2e9))
-def test_waits_are_finite_non_negative_and_bounded_by_slow_start(msgs, rtt, rate):
+def test_waits_are_finite_non_negative_and_bounded_by_slow_start(model, msgs, rtt, rate):
     """Whatever the history, a message of s segments waits at most the round trips of
     slow start from the initial window (log2(s / 10) + 1 of them)."""
-    w = TcpWindow(TcpParams(), rtt, rate)
+    w = windows(TcpParams(model=model), [[0, rate], [rate, 0]], [[0, rtt / 2], [rtt / 2, 0]],
+                1.0)[0][1]
     t = 0.0
     for gap, segs in msgs:
         t = (w.last_end or 0.0) + gap
@@ -98,14 +100,15 @@ def test_waits_are_finite_non_negative_and_bounded_by_slow_start(msgs, rtt, rate
         assert w.cwnd >= 10
 
 
-def test_the_emulators_hold_is_the_simulators_extra_delay():
+@pytest.mark.parametrize("model", ["bursts", "segments"])
+def test_the_emulators_hold_is_the_simulators_extra_delay(model):
     """The hold a sender attaches is what the simulator's windowed FIFO adds to the
     ideal FIFO's arrival, message by message, also when messages queue."""
     bw = [[0.0, RATE], [RATE, 0.0]]
     delay = [[0.0, RTT / 2], [RTT / 2, 0.0]]
     msg = 8192 + 64
-    clock = hold_clocks(TcpParams(), bw, delay, 1.0, 0, msg)[1]
-    sim = windows(TcpParams(), bw, delay, 1.0)[0][1]
+    clock = hold_clocks(TcpParams(model=model), bw, delay, 1.0, 0, msg)[1]
+    sim = windows(TcpParams(model=model), bw, delay, 1.0)[0][1]
     tx1 = msg / RATE
     free = ideal_free = 0.0
     lagged = 0
@@ -124,7 +127,60 @@ def test_the_emulators_hold_is_the_simulators_extra_delay():
     assert lagged  # some message's hold is mostly an earlier one's wait
 
 
-def test_the_simulator_adds_the_window_wait_to_a_cold_fan_out():
+def _clock() -> AckClock:
+    return AckClock(TcpParams(model="segments"), RTT, RATE)
+
+
+def test_the_ack_clock_sends_a_cold_burst_in_the_flights_of_slow_start():
+    """Segment by segment, a cold window still goes in flights of 10, 20, 40, 80 one round
+    trip apart: the same wait as the bursts model, and queued messages are one burst."""
+    seg = MSS / RATE
+    w = _clock()
+    assert w.wait(0.0, 10 * MSS, 10 * seg) == 0.0
+    w = _clock()
+    assert w.wait(0.0, 206 * MSS, 206 * seg) == pytest.approx(
+        sum(RTT + seg - f * seg for f in (10, 20, 40, 80)))
+    whole, parts = _clock().wait(0.0, 216 * MSS, 216 * seg), _clock()
+    t, total = 0.0, 0.0
+    for _ in range(36):
+        total += parts.wait(t, 6 * MSS, 6 * seg, queued=t > 0)
+        t = parts.last_end
+    assert whole > 0 and total == pytest.approx(whole)
+    big = AckClock(TcpParams(init_cwnd=10_000, model="segments"), RTT, RATE)
+    assert big.wait(0.0, 50_000 * MSS, 50_000 * MSS / RATE) == 0.0  # the pipe is full
+
+
+def _end(model: str, first: int, gap: float, then: int = 300) -> float:
+    """When the last byte of a ``then``-segment message leaves, sent ``gap`` after the
+    last byte of a ``first``-segment message from a cold window left."""
+    seg = MSS / RATE
+    w = windows(TcpParams(model=model), [[0, RATE], [RATE, 0]], [[0, RTT / 2], [RTT / 2, 0]],
+                1.0)[0][1]
+    w.wait(0.0, first * MSS, first * seg)
+    start = w.last_end + gap
+    return start + then * seg + w.wait(start, then * MSS, then * seg, queued=gap == 0)
+
+
+@pytest.mark.parametrize("first", [5, 40, 150, 206, 1000])
+def test_a_message_that_comes_later_never_leaves_earlier_on_the_ack_clock(first):
+    """The last flight's ACKs come back over a round trip after its last byte left: a
+    message that starts then continues the burst, and its wait shrinks with the time
+    since, never faster than that time grows (a later message never finishes earlier).
+    The bursts model gives a message one nanosecond after the burst a fresh, grown window
+    with nothing in flight: there it leaves up to 19 ms earlier than one queued behind."""
+    gaps = [i * RTT / 40 for i in range(61)]
+    ends = [_end("segments", first, g) for g in gaps]
+    assert all(b >= a - 1e-12 for a, b in zip(ends, ends[1:])), ends
+    assert ends[0] == pytest.approx(_end("bursts", first, 0.0))  # queued: the same burst
+    if first >= 40:  # a burst that grew the window: past a round trip it is the bursts model's
+        for g in (RTT * 1.01, RTT * 1.5):
+            assert _end("segments", first, g) == pytest.approx(_end("bursts", first, g))
+    if first in (40, 150, 1000):  # a burst that ended on the window's edge
+        assert _end("bursts", first, 1e-9) < _end("bursts", first, 0.0) - 0.01
+
+
+@pytest.mark.parametrize("model", ["bursts", "segments"])
+def test_the_simulator_adds_the_window_wait_to_a_cold_fan_out(model):
     """One 200 kB hidden state from a to b on a cold connection (1 GB/s, 1 ms each way):
     139 segments go as flights of 10, 20, 40, then 69; the fan-out waits three round
     trips less those flights' transmission. ``ideal`` leaves it at line rate."""
@@ -142,7 +198,7 @@ def test_the_simulator_adds_the_window_wait_to_a_cold_fan_out():
     for transport in ("ideal", "tcp"):
         spec = parse_spec({"window_s": 0.01, "sim": {"payload_efficiency": 1.0, "header_bytes": 0},
                            "physics": "hardware", "engine": {"decision_s": 0.0},
-                           "net": {"transport": transport}})
+                           "net": {"transport": transport, "tcp_model": model}})
         setup = FakeSetup(cl, sh, dep, Fixed({0: 0}, agg=1), [Req(0, 0.0)], {0: [((0,),)]},
                           spec=spec)
         st, tl, _ = _run(setup)
