@@ -113,11 +113,8 @@ class TcpWindow:
         """Seconds a message of ``nbytes`` starting at ``start_s`` waits for ACKs beyond
         its ``tx_s`` of transmission; the window and the idle clock move on with it."""
         if not queued or self.last_end is None:  # the connection was idle: a new burst
-            if self.last_end is not None and self.p.idle_decay:
-                idle = start_s - self.last_end
-                if idle > self.rto:
-                    halvings = min(int(idle / self.rto), 60)
-                    self.cwnd = max(float(self.p.init_cwnd), self.cwnd / (2.0 ** halvings))
+            if self.last_end is not None:
+                self.cwnd = _after_idle(self.p, self.cwnd, start_s - self.last_end, self.rto)
             self.w0, self.pos = self.cwnd, 0
         segs = ceil(nbytes / self.p.mss) if nbytes > 0 else 0
         before = self.pos
@@ -156,11 +153,19 @@ class TcpWindow:
         return w
 
 
+def _after_idle(p: TcpParams, cwnd: float, idle: float, rto: float) -> float:
+    """The window after ``idle`` seconds without data (``tcp_cwnd_restart``): halved per
+    retransmission timeout, never below the initial window; kept without idle decay."""
+    if not p.idle_decay or idle <= rto:
+        return cwnd
+    return max(float(p.init_cwnd), cwnd / (2.0 ** min(int(idle / rto), 60)))
+
+
 @njit(cache=True)
 def _send(acks, head, count, cwnd, peak, limited, t, nseg, seg, rtt):  # pragma: no cover
     """Send ``nseg`` segments from ``t`` over the ACK clock ``acks`` (a ring buffer of the
-    in-flight segments' ACK times, ``count`` of them from ``head``): the time the last
-    one's last byte left, the seconds it stalled on the window, and the clock's new state.
+    in-flight segments' ACK times, ``count`` of them from ``head``): the seconds it
+    stalled on the window, and the clock's new state.
     Compiled: a message is a loop over its segments."""
     cap = acks.shape[0]
     sent = 0
@@ -189,7 +194,7 @@ def _send(acks, head, count, cwnd, peak, limited, t, nseg, seg, rtt):  # pragma:
             peak = count
         t += seg
         sent += 1
-    return t, stalled, head, count, cwnd, peak, limited
+    return stalled, head, count, cwnd, peak, limited
 
 
 class AckClock:
@@ -229,7 +234,7 @@ class AckClock:
 
     def _run(self, t: float, segs: int) -> float:
         """Seconds ``segs`` segments from ``t`` stall on the window."""
-        _, stalled, self.head, self.count, self.cwnd, self.peak, self.limited = _send(
+        stalled, self.head, self.count, self.cwnd, self.peak, self.limited = _send(
             self.acks, self.head, self.count, self.cwnd, self.peak, self.limited, t, segs,
             self.seg_s, self.rtt)
         return stalled
@@ -238,10 +243,8 @@ class AckClock:
         segs = ceil(nbytes / self.p.mss) if nbytes > 0 else 0
         if self.last_end is not None:
             self._run(start_s, 0)  # the ACKs back by now
-            idle = start_s - self.last_end
-            if self.p.idle_decay and idle > self.rto:  # all ACKed (rto > round trip)
-                halvings = min(int(idle / self.rto), 60)
-                self.cwnd = max(int(self.p.init_cwnd), self.cwnd >> halvings)
+            # past a timeout all is ACKed (rto > round trip)
+            self.cwnd = int(_after_idle(self.p, self.cwnd, start_s - self.last_end, self.rto))
             if self.count == 0:  # idle: the growth rule counts from here
                 self.peak, self.limited = 0, False
         self._room(segs)
