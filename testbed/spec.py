@@ -169,10 +169,11 @@ class NetSpec(_Model):
                              "halves its window")
     idle_decay: bool = Field(True, description="net.ipv4.tcp_slow_start_after_idle (Linux "
                              "default 1)")
-    #: ``bursts`` stays the default until the TCP-world figures are run again under
-    #: ``segments`` (README, "TCP's window")
+    #: ``segments`` since 2026-11-28: under ``bursts`` (the default before) a message that
+    #: comes later can leave earlier (README, "TCP's window"); every TCP-world figure was run
+    #: again under it
     tcp_model: Literal["bursts", "segments"] = Field(
-        "bursts", description="'bursts': slow start in flights; a message that starts after "
+        "segments", description="'bursts': slow start in flights; a message that starts after "
         "the last byte left begins a new burst with the grown window and nothing in flight; "
         "'segments': the ACK clock segment by segment (a message just after a burst finds its "
         "last flight still unacknowledged)")

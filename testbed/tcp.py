@@ -34,22 +34,24 @@ workers hold one per peer), on data messages only:
   trip plus ``rto_min`` (200 ms, ``TCP_RTO_MIN``), since its variance term
   is floored at ``rto_min``.
 
-Two models of those rules (``net.tcp_model``). ``bursts`` (the default, and the
-model of every TCP-world figure so far) works in flights: a message queued
-behind the one before it continues that burst's slow start; one that starts
-after the last byte left begins a new burst with the grown window and nothing
-in flight, although that last flight's ACKs come back up to a round trip later.
-So a message starting just after a burst waits less than one starting just
-before its end (README, "Emulator against simulator": asym5, 22.5 against 54.9
-ms). ``segments`` (``AckClock``) keeps the ACK clock itself: every segment in
-flight with the time its ACK returns (its last byte's departure plus the round
-trip); a segment leaves when fewer than the window are in flight, and each ACK
-frees its room and, in slow start, adds a segment to the window. It is the
-same for a burst from a cold window (flights of 10, 20, 40, ... one round trip
-apart) and continuous in when a message comes. Its growth rule (Linux's
-``tcp_is_cwnd_limited`` in slow start): an ACK grows the window if the window
+Two models of those rules (``net.tcp_model``). ``segments`` (``AckClock``, the
+default since 2026-11-28) keeps the ACK clock itself: every segment in flight
+with the time its ACK returns (its last byte's departure plus the round trip);
+a segment leaves when fewer than the window are in flight, and each ACK frees
+its room and, in slow start, adds a segment to the window. A burst from a cold
+window goes in flights of 10, 20, 40, ... one round trip apart, and the wait is
+continuous in when a message comes. Its growth rule is Linux's
+``tcp_is_cwnd_limited`` in slow start: an ACK grows the window if the window
 held a segment back, or while it is under twice the most segments in flight,
-since the connection was last idle (Linux keeps both per round trip).
+both latched per round as ``tcp_cwnd_validate`` does (``_send``).
+``bursts`` (``TcpWindow``, the default until 2026-11-28, kept for comparison)
+works in flights: a message queued behind the one before it continues that
+burst's slow start; one that starts after the last byte left begins a new burst
+with the grown window and nothing in flight, although that last flight's ACKs
+come back up to a round trip later. So a message starting just after a burst
+waits less than one starting just before its end (README, "Emulator against
+simulator": asym5, 22.5 against 54.9 ms), and a message that comes later can
+leave earlier (``tests/test_tcp.py``).
 
 Left out, and why: losses (the shaped links queue, they do not drop: the
 emulator's ``fidelity`` checks zero drops), the receive window (Linux
@@ -83,7 +85,7 @@ class TcpParams:
     mss: int = MSS_BYTES
     rto_min_s: float = RTO_MIN_S
     idle_decay: bool = True
-    model: str = "bursts"  # or "segments" (``AckClock``)
+    model: str = "segments"  # ``AckClock``; or "bursts" (``TcpWindow``)
 
 
 class TcpWindow:
@@ -162,10 +164,18 @@ def _after_idle(p: TcpParams, cwnd: float, idle: float, rto: float) -> float:
 
 
 @njit(cache=True)
-def _send(acks, head, count, cwnd, peak, limited, t, nseg, seg, rtt):  # pragma: no cover
+def _send(acks, head, count, cwnd, peak, limited, usage, una, t, nseg, seg,
+          rtt):  # pragma: no cover
     """Send ``nseg`` segments from ``t`` over the ACK clock ``acks`` (a ring buffer of the
-    in-flight segments' ACK times, ``count`` of them from ``head``): the seconds it
-    stalled on the window, and the clock's new state.
+    in-flight segments' ACK times, ``count`` of them from ``head``; ``una`` segments ACKed
+    so far): the seconds it stalled on the window, and the clock's new state.
+
+    Slow start's growth follows Linux's ``tcp_is_cwnd_limited``: an ACK grows the window
+    if the window held a segment back, or while it is under twice the most segments in
+    flight, both as latched per round (``tcp_cwnd_validate``): a round ends when the
+    segment that was next to send at its latch (``usage``) is ACKed, and the next send
+    latches anew; a window-limited send latches at once, and a larger flight raises the
+    peak while the round is not window-limited.
     Compiled: a message is a loop over its segments."""
     cap = acks.shape[0]
     sent = 0
@@ -176,12 +186,13 @@ def _send(acks, head, count, cwnd, peak, limited, t, nseg, seg, rtt):  # pragma:
             if head == cap:
                 head = 0
             count -= 1
+            una += 1
             if limited or cwnd < 2 * peak:
                 cwnd += 1
         if sent == nseg:
             break
-        if count >= cwnd:  # the window is full: wait for the next ACK
-            limited = True
+        if count >= cwnd:  # the window is full: latch it, wait for the next ACK
+            limited, peak, usage = True, count, una + count
             stalled += acks[head] - t
             t = acks[head]
             continue
@@ -190,11 +201,12 @@ def _send(acks, head, count, cwnd, peak, limited, t, nseg, seg, rtt):  # pragma:
             tail -= cap
         acks[tail] = t + seg + rtt
         count += 1
-        if count > peak:
-            peak = count
         t += seg
         sent += 1
-    return stalled, head, count, cwnd, peak, limited
+        full = count >= cwnd
+        if una >= usage or full or (not limited and count > peak):  # tcp_cwnd_validate
+            limited, peak, usage = full, count, una + count
+    return stalled, head, count, cwnd, peak, limited, usage, una
 
 
 class AckClock:
@@ -203,7 +215,7 @@ class AckClock:
     clock knows what is in flight) and is accepted for the callers' sake."""
 
     __slots__ = ("p", "rtt", "seg_s", "rto", "cwnd", "last_end", "limit", "acks", "head",
-                 "count", "peak", "limited")
+                 "count", "peak", "limited", "usage", "una")
 
     def __init__(self, params: TcpParams, rtt_s: float, bytes_per_s: float) -> None:
         self.p = params
@@ -217,7 +229,8 @@ class AckClock:
         self.limit = int((rtt_s + self.seg_s) / self.seg_s) + 2 if self.seg_s > 0 else 2
         self.acks = np.zeros(16)
         self.head = self.count = self.peak = 0
-        self.limited = False  # the window held a segment back since the connection was idle
+        self.limited = False  # the window held a segment back in this round (``_send``)
+        self.usage = self.una = 0  # the round ends when segment ``usage`` is ACKed; ACKed so far
 
     def _room(self, more: int) -> None:
         """Grow the ring so that ``more`` segments fit beside those in flight."""
@@ -234,19 +247,18 @@ class AckClock:
 
     def _run(self, t: float, segs: int) -> float:
         """Seconds ``segs`` segments from ``t`` stall on the window."""
-        stalled, self.head, self.count, self.cwnd, self.peak, self.limited = _send(
-            self.acks, self.head, self.count, self.cwnd, self.peak, self.limited, t, segs,
-            self.seg_s, self.rtt)
+        (stalled, self.head, self.count, self.cwnd, self.peak, self.limited, self.usage,
+         self.una) = _send(self.acks, self.head, self.count, self.cwnd, self.peak, self.limited,
+                           self.usage, self.una, t, segs, self.seg_s, self.rtt)
         return stalled
 
     def wait(self, start_s: float, nbytes: int, tx_s: float, queued: bool = False) -> float:
         segs = ceil(nbytes / self.p.mss) if nbytes > 0 else 0
         if self.last_end is not None:
             self._run(start_s, 0)  # the ACKs back by now
-            # past a timeout all is ACKed (rto > round trip)
+            # past a timeout all is ACKed (rto > round trip); the round ended with the last
+            # ACK, so the next send latches the growth rule anew
             self.cwnd = int(_after_idle(self.p, self.cwnd, start_s - self.last_end, self.rto))
-            if self.count == 0:  # idle: the growth rule counts from here
-                self.peak, self.limited = 0, False
         self._room(segs)
         extra = self._run(start_s, segs)
         self.last_end = start_s + tx_s + extra

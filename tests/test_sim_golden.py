@@ -52,6 +52,11 @@ LINKS = "afc5d3bfb94ffecda568411c2ed61f4d4c882a526b54c38251b5f76bf326a032"
 #: default until 2026-11-27); ``FUSED`` is ``LINKS`` with one set of launches per precision
 #: per step (``fused``, the default since): the step times and the published backlogs move.
 FUSED = "a306a05e48d15a7c73146c4e0aef8309ed0d4ce137dccd473aae912218c3304d"
+#: All of the above keep TCP's window in flights (``net.tcp_model: bursts``, the default
+#: until 2026-11-28); ``SEGMENTS`` is ``FUSED`` with the ACK clock segment by segment
+#: (``segments``, the default since): a message just after a burst finds its last flight
+#: still in flight, and slow start grows by the round's latch.
+SEGMENTS = "11f6dfbef5161751921432f9bfdf61dba41f8b763c3945e7a6b70328368f3ace"
 
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
         "engine": {"decision_s": 0, "dispatch": "token", "moe_kernels": "per_expert"},
@@ -73,7 +78,7 @@ def digest(*frames: pd.DataFrame) -> str:
 
 def run_digests(drop: list[str] | None = None, dispatch: str = "token",
                 transport: str = "ideal", control: str = "instant",
-                moe_kernels: str = "per_expert") -> dict[str, str]:
+                moe_kernels: str = "per_expert", tcp_model: str = "bursts") -> dict[str, str]:
     """Both physics on one placement (the world's physics does not enter the placement);
     ``drop``: request-table columns left out of the digest."""
     base = build_setup(parse_spec({**SPEC, "physics": "hardware"}))
@@ -81,7 +86,8 @@ def run_digests(drop: list[str] | None = None, dispatch: str = "token",
     for physics in ("hardware", "paper"):
         setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides(
             {"physics": physics, "engine.dispatch": dispatch, "net.transport": transport,
-             "net.control": control, "engine.moe_kernels": moe_kernels})))
+             "net.control": control, "engine.moe_kernels": moe_kernels,
+             "net.tcp_model": tcp_model})))
         writer = RecordWriter(None, setup.shape.top_k)
         SimBackend(setup, writer).run()
         writer.close()
@@ -124,6 +130,14 @@ def test_fused_launches_change_the_hardware_world_only():
     assert got["hardware"] == FUSED, f"the fused world's records changed: {got['hardware']}"
 
 
+def test_the_ack_clock_changes_the_hardware_world_only():
+    got = run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused",
+                      tcp_model="segments")
+    assert got["paper"] == GOLDEN["paper"], "the paper's links are ideal whatever the model"
+    assert got["hardware"] != FUSED, "no message here met its last flight still in flight"
+    assert got["hardware"] == SEGMENTS, f"the ACK clock's records changed: {got['hardware']}"
+
+
 def test_batched_request_routing_equals_routing_each_request_alone():
     """``route_many`` (the simulator's batches) against ``route`` request by request,
     with decode tokens and several tasks: the same experts and weights."""
@@ -149,4 +163,6 @@ if __name__ == "__main__":  # pragma: no cover - prints the digests to record
           run_digests(dispatch="step", transport="tcp")["hardware"],
           run_digests(dispatch="step", transport="tcp", control="links")["hardware"],
           run_digests(dispatch="step", transport="tcp", control="links",
-                      moe_kernels="fused")["hardware"])
+                      moe_kernels="fused")["hardware"],
+          run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused",
+                      tcp_model="segments")["hardware"])

@@ -162,21 +162,41 @@ def _end(model: str, first: int, gap: float, then: int = 300) -> float:
 
 
 @pytest.mark.parametrize("first", [5, 40, 150, 206, 1000])
-def test_a_message_that_comes_later_never_leaves_earlier_on_the_ack_clock(first):
-    """The last flight's ACKs come back over a round trip after its last byte left: a
-    message that starts then continues the burst, and its wait shrinks with the time
-    since, never faster than that time grows (a later message never finishes earlier).
-    The bursts model gives a message one nanosecond after the burst a fresh, grown window
-    with nothing in flight: there it leaves up to 19 ms earlier than one queued behind."""
-    gaps = [i * RTT / 40 for i in range(61)]
-    ends = [_end("segments", first, g) for g in gaps]
-    assert all(b >= a - 1e-12 for a, b in zip(ends, ends[1:])), ends
-    assert ends[0] == pytest.approx(_end("bursts", first, 0.0))  # queued: the same burst
-    if first >= 40:  # a burst that grew the window: past a round trip it is the bursts model's
+def test_a_message_just_after_a_burst_finds_its_last_flight_still_in_flight(first):
+    """The last flight's ACKs come back a round trip after its last byte left: a message
+    that starts a nanosecond after that byte continues the burst exactly as one queued
+    behind it. The bursts model gives it a fresh, grown window with nothing in flight,
+    so it leaves up to 19 ms earlier than the queued one (the flaw ``segments`` removes).
+    Past a round trip, with every ACK back, the two models agree."""
+    queued = _end("segments", first, 0.0)
+    assert queued == pytest.approx(_end("bursts", first, 0.0))  # queued: the same burst
+    assert _end("segments", first, 1e-9) == pytest.approx(queued, abs=1e-8)
+    if first in (40, 150, 1000):  # a burst that ended on the window's edge
+        assert _end("bursts", first, 1e-9) < queued - 0.01
+    if first >= 40:  # a burst that grew the window
         for g in (RTT * 1.01, RTT * 1.5):
             assert _end("segments", first, g) == pytest.approx(_end("bursts", first, g))
-    if first in (40, 150, 1000):  # a burst that ended on the window's edge
-        assert _end("bursts", first, 1e-9) < _end("bursts", first, 0.0) - 0.01
+
+
+def test_slow_start_counts_acks_under_the_rounds_latch_as_linux_does():
+    """Linux (``tcp_cwnd_validate`` since 6.1, ``tcp_is_cwnd_limited``) grows the window
+    on an ACK if the round was window-limited, or while the window is under twice the
+    round's most segments in flight; a round's latch holds until its last segment is
+    ACKed and the next send latches anew. A cold 40-segment message goes as flights of
+    10, 20 (both window-limited) and 10 (not). Left alone, the last flight's ACKs come
+    under the second flight's latch and grow the window from 40 to 50. One segment sent
+    before they return starts a new round, not window-limited, 11 in flight: they grow
+    nothing. (So a message that starts a little earlier may leave a round trip later
+    than one that waits for those ACKs: this is the kernel's rule, not monotone in time.)"""
+    seg = MSS / RATE
+    quiet, busy = _clock(), _clock()
+    for w in (quiet, busy):
+        w.wait(0.0, 40 * MSS, 40 * seg)
+    busy.wait(quiet.last_end + RTT / 2, MSS, seg)
+    later = quiet.last_end + 2 * RTT  # every ACK back, well before an idle timeout
+    for w in (quiet, busy):
+        w.wait(later, 0, 0.0)
+    assert (quiet.cwnd, busy.cwnd) == (50, 40)
 
 
 @pytest.mark.parametrize("model", ["bursts", "segments"])
