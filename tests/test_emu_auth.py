@@ -66,6 +66,15 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+async def _until(cond, timeout_s: float = 10.0) -> None:
+    """Wait until ``cond()`` holds (a loaded host delivers late; a fixed sleep flaked under
+    a parallel suite), at most ``timeout_s``; the asserts after it judge."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond() and loop.time() < end:
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("name, answer, source", [
     ("PING naming rank 1 (the old handshake)", lambda n: _bytes(Frame(Ping(1, 0, 0.0))), "127.0.0.1"),
     ("garbage", lambda n: b"\x00" * 200, "127.0.0.1"),
@@ -82,8 +91,10 @@ def test_an_impersonator_changes_no_peer_state(name, answer, source):
         await pair.start()
         await _intruder(pair.ports[0], answer, source)
         # the real peer still reaches worker 0, and nobody was marked lost
+        await _until(lambda: pair.t[0].auth_failures >= 1)
         pair.t[1].send(0, _state(src=1, backlog_s=0.5))
-        await asyncio.sleep(0.1)
+        await _until(lambda: pair.got[0])
+        await asyncio.sleep(0.1)  # time for a wrong liveness change to show
         assert pair.lost == {0: [], 1: []}, name
         assert pair.t[0].auth_failures == 1
         assert [type(f.msg) for f in pair.got[0]] == [State]
@@ -98,7 +109,7 @@ def test_a_proven_peer_cannot_speak_for_another_rank():
         await pair.start()
         pair.t[1].send(0, _state(src=5, backlog_s=0.1))  # claims rank 5
         pair.t[1].send(0, _state(src=1, backlog_s=0.2))
-        await asyncio.sleep(0.1)
+        await _until(lambda: pair.got[0] and pair.t[0].spoofed_frames)
         assert [f.msg.src for f in pair.got[0]] == [1] and pair.t[0].spoofed_frames == 1
         assert pair.t[0].auth_failures == 0 and pair.lost == {0: [], 1: []}
         for t in pair.t:
