@@ -169,7 +169,7 @@ class NetSpec(_Model):
                              "halves its window")
     idle_decay: bool = Field(True, description="net.ipv4.tcp_slow_start_after_idle (Linux "
                              "default 1)")
-    #: ``segments`` since 2026-11-28: under ``bursts`` (the default before) a message that
+    #: ``segments`` since 2026-11-27 evening: under ``bursts`` (the default before) a message that
     #: comes later can leave earlier (README, "TCP's window"); every TCP-world figure was run
     #: again under it
     tcp_model: Literal["bursts", "segments"] = Field(

@@ -35,7 +35,7 @@ workers hold one per peer), on data messages only:
   is floored at ``rto_min``.
 
 Two models of those rules (``net.tcp_model``). ``segments`` (``AckClock``, the
-default since 2026-11-28) keeps the ACK clock itself: every segment in flight
+default since 2026-11-27 evening) keeps the ACK clock itself: every segment in flight
 with the time its ACK returns (its last byte's departure plus the round trip);
 a segment leaves when fewer than the window are in flight, and each ACK frees
 its room and, in slow start, adds a segment to the window. A burst from a cold
@@ -44,7 +44,7 @@ continuous in when a message comes. Its growth rule is Linux's
 ``tcp_is_cwnd_limited`` in slow start: an ACK grows the window if the window
 held a segment back, or while it is under twice the most segments in flight,
 both latched per round as ``tcp_cwnd_validate`` does (``_send``).
-``bursts`` (``TcpWindow``, the default until 2026-11-28, kept for comparison)
+``bursts`` (``TcpWindow``, the default until 2026-11-27 evening, kept for comparison)
 works in flights: a message queued behind the one before it continues that
 burst's slow start; one that starts after the last byte left begins a new burst
 with the grown window and nothing in flight, although that last flight's ACKs

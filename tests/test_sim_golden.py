@@ -53,7 +53,7 @@ LINKS = "afc5d3bfb94ffecda568411c2ed61f4d4c882a526b54c38251b5f76bf326a032"
 #: per step (``fused``, the default since): the step times and the published backlogs move.
 FUSED = "a306a05e48d15a7c73146c4e0aef8309ed0d4ce137dccd473aae912218c3304d"
 #: All of the above keep TCP's window in flights (``net.tcp_model: bursts``, the default
-#: until 2026-11-28); ``SEGMENTS`` is ``FUSED`` with the ACK clock segment by segment
+#: until 2026-11-27 evening); ``SEGMENTS`` is ``FUSED`` with the ACK clock segment by segment
 #: (``segments``, the default since): a message just after a burst finds its last flight
 #: still in flight, and slow start grows by the round's latch.
 SEGMENTS = "11f6dfbef5161751921432f9bfdf61dba41f8b763c3945e7a6b70328368f3ace"
