@@ -138,6 +138,26 @@ def test_the_ack_clock_changes_the_hardware_world_only():
     assert got["hardware"] == SEGMENTS, f"the ACK clock's records changed: {got['hardware']}"
 
 
+def test_a_window_that_never_binds_leaves_the_records_of_ideal_links():
+    """Under either TCP model, an initial window larger than any flight (``init_cwnd``
+    100,000 segments) waits for nothing, so the records equal ``ideal``'s bit for bit."""
+    base = build_setup(parse_spec({**SPEC, "physics": "hardware"}))
+    got = {}
+    for name, over in (("ideal", {"net.transport": "ideal"}),
+                       ("bursts", {"net.tcp_model": "bursts", "net.init_cwnd": 100_000}),
+                       ("segments", {"net.tcp_model": "segments", "net.init_cwnd": 100_000})):
+        setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides(
+            {"engine.dispatch": "step", "net.control": "links", "engine.moe_kernels": "fused",
+             **over})))
+        writer = RecordWriter(None, setup.shape.top_k)
+        st = SimBackend(setup, writer).run()
+        writer.close()
+        assert st.tcp_waits == 0, name
+        got[name] = digest(*writer.frames())
+    assert got["bursts"] == got["ideal"] and got["segments"] == got["ideal"]
+    assert got["ideal"] != SEGMENTS  # and the default window does bind in this run
+
+
 def test_batched_request_routing_equals_routing_each_request_alone():
     """``route_many`` (the simulator's batches) against ``route`` request by request,
     with decode tokens and several tasks: the same experts and weights."""
