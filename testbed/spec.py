@@ -169,9 +169,9 @@ class NetSpec(_Model):
                              "halves its window")
     idle_decay: bool = Field(True, description="net.ipv4.tcp_slow_start_after_idle (Linux "
                              "default 1)")
-    #: ``segments`` since 2026-11-27 evening: under ``bursts`` (the default before) a message that
-    #: comes later can leave earlier (README, "TCP's window"); every TCP-world figure was run
-    #: again under it
+    #: ``segments`` since 2026-11-27 evening: under ``bursts`` (the default before) a message
+    #: that starts just after a burst gets a fresh window with nothing in flight (README, "The
+    #: ACK clock"); every TCP-world figure was run again under it
     tcp_model: Literal["bursts", "segments"] = Field(
         "segments", description="'bursts': slow start in flights; a message that starts after "
         "the last byte left begins a new burst with the grown window and nothing in flight; "

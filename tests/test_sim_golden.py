@@ -84,17 +84,22 @@ def run_digests(drop: list[str] | None = None, dispatch: str = "token",
     base = build_setup(parse_spec({**SPEC, "physics": "hardware"}))
     out = {}
     for physics in ("hardware", "paper"):
-        setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides(
-            {"physics": physics, "engine.dispatch": dispatch, "net.transport": transport,
-             "net.control": control, "engine.moe_kernels": moe_kernels,
-             "net.tcp_model": tcp_model})))
-        writer = RecordWriter(None, setup.shape.top_k)
-        SimBackend(setup, writer).run()
-        writer.close()
-        tl, rq = writer.frames()
+        _, tl, rq = run_records(base, {
+            "physics": physics, "engine.dispatch": dispatch, "net.transport": transport,
+            "net.control": control, "engine.moe_kernels": moe_kernels, "net.tcp_model": tcp_model})
         assert len(tl) > 0 and len(rq) > 0
         out[physics] = digest(tl, rq.drop(columns=drop or []))
     return out
+
+
+def run_records(base, overrides: dict):
+    """One simulated run of ``base`` (a built setup) under ``overrides``: its stats and
+    token-layer and request tables."""
+    setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides(overrides)))
+    writer = RecordWriter(None, setup.shape.top_k)
+    st = SimBackend(setup, writer).run()
+    writer.close()
+    return (st, *writer.frames())
 
 
 def test_sim_records_match_the_recorded_digests():
@@ -146,14 +151,10 @@ def test_a_window_that_never_binds_leaves_the_records_of_ideal_links():
     for name, over in (("ideal", {"net.transport": "ideal"}),
                        ("bursts", {"net.tcp_model": "bursts", "net.init_cwnd": 100_000}),
                        ("segments", {"net.tcp_model": "segments", "net.init_cwnd": 100_000})):
-        setup = fresh(dataclasses.replace(base, spec=base.spec.with_overrides(
-            {"engine.dispatch": "step", "net.control": "links", "engine.moe_kernels": "fused",
-             **over})))
-        writer = RecordWriter(None, setup.shape.top_k)
-        st = SimBackend(setup, writer).run()
-        writer.close()
+        st, tl, rq = run_records(base, {"engine.dispatch": "step", "net.control": "links",
+                                        "engine.moe_kernels": "fused", **over})
         assert st.tcp_waits == 0, name
-        got[name] = digest(*writer.frames())
+        got[name] = digest(tl, rq)
     assert got["bursts"] == got["ideal"] and got["segments"] == got["ideal"]
     assert got["ideal"] != SEGMENTS  # and the default window does bind in this run
 
