@@ -42,6 +42,13 @@ _thread_time = time.thread_time
 #: builds a record without the named tuple's Python-level ``__new__`` (the fields are
 #: passed in order, all of them, so the generated constructor would add nothing)
 _new_record = tuple.__new__
+assert TokenLayerRecord._fields[-1] == "window"
+
+
+def with_window(rec: TokenLayerRecord, window: int) -> TokenLayerRecord:
+    """``rec._replace(window=window)`` without the named tuple's generic ``_replace``
+    (a dict of every field): the window is the last field."""
+    return _new_record(TokenLayerRecord, (*rec[:-1], window))
 
 
 @dataclass(slots=True)
