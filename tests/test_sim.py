@@ -320,22 +320,3 @@ def test_a_record_with_its_window_equals_the_named_tuples_replace():
     got = with_window(rec, 77)
     assert type(got) is TokenLayerRecord and got == rec._replace(window=77)
 
-
-def test_the_loop_collects_young_objects_rarely_and_restores_the_collector():
-    """The event loop's objects die by reference count, so young collections only cost
-    time (and a full one walks every record column): the loop raises the youngest
-    generation's threshold and puts back the caller's thresholds, even on an error."""
-    import gc
-
-    from testbed.sim.backend import GC_YOUNG, _frozen_heap
-    before = gc.get_threshold()
-    try:
-        gc.set_threshold(700, 7, 9)
-        with _frozen_heap():
-            assert gc.get_threshold() == (GC_YOUNG, 7, 9) and gc.get_freeze_count() > 0
-        assert gc.get_threshold() == (700, 7, 9)
-        with pytest.raises(RuntimeError), _frozen_heap():
-            raise RuntimeError("a router failed")
-        assert gc.get_threshold() == (700, 7, 9) and gc.get_freeze_count() == 0
-    finally:
-        gc.set_threshold(*before)

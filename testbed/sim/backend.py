@@ -28,12 +28,10 @@ Views are refreshed from the true stream backlogs at every window boundary
 
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 import random
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +40,7 @@ from tqdm import tqdm
 from hetroute.residency import Residency
 from hetroute.state import StateView, TokenView, Unroutable
 
+from ..collector import quiet_collector
 from ..core import Routed, TokenLayerCore, with_window
 from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
@@ -67,37 +66,6 @@ class SimStats:
     dq_misreport_first: tuple | None = None  # (request, token, layer, reported, derived)
     tcp_waits: int = 0  # messages that waited for their congestion window (net.transport: tcp)
     tcp_wait_s: float = 0.0  # summed over them
-
-
-GC_YOUNG = 50_000  # allocations between young-generation collections in the loop
-
-
-@contextmanager
-def _frozen_heap():
-    """Keep the objects that exist before the event loop (the set-up: deployment, router
-    tables, the requests) out of the cyclic collector while it runs. The loop allocates
-    millions of short-lived containers, and each full collection would walk the set-up's
-    hundreds of thousands of objects again (9% of a run's CPU time in the hardware world);
-    frozen, only what the run itself made is walked. Nothing is freed any later than
-    before: they are unfrozen at the end. A caller's own freeze is left alone.
-
-    The youngest generation is also collected every ``GC_YOUNG`` allocations instead of
-    every 700: the loop's objects die by reference count (tokens, jobs and records form no
-    cycles), so a young collection finds nothing to free and only costs time. Cycles a
-    router makes are still collected, later. The thresholds are restored at the end."""
-    thresholds = gc.get_threshold()
-    gc.set_threshold(max(thresholds[0], GC_YOUNG), *thresholds[1:])
-    try:
-        if gc.get_freeze_count():
-            yield
-            return
-        gc.freeze()
-        try:
-            yield
-        finally:
-            gc.unfreeze()
-    finally:
-        gc.set_threshold(*thresholds)
 
 
 def control_seconds(bandwidth, delay, efficiency: float, header_bytes: int) -> list[list[float]]:
@@ -304,7 +272,7 @@ class SimBackend:
         pop = heapq.heappop
         progress = self.progress
         events = 0
-        with _frozen_heap():
+        with quiet_collector():  # the loop's objects die by reference count
             while heap:
                 t, _, fn, arg = pop(heap)
                 self.now = t
