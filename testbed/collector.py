@@ -51,6 +51,15 @@ def quiet_collector(young: int | None = GC_YOUNG):
         gc.set_threshold(*thresholds)
 
 
+def freeze_more() -> None:
+    """Inside ``quiet_collector``: freeze what was made since it began as well (a worker's
+    start-up: transport, the kernels' and the router's warm-up, which loads numba's
+    compiled code); outside one, nothing (a caller that did not freeze keeps Python's
+    behaviour). Unfrozen with the rest when the block ends."""
+    if gc.get_freeze_count():
+        gc.freeze()
+
+
 class GcPauses:
     """Collections by generation and their wall time, while installed (``gc.callbacks``)."""
 

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from testbed.collector import GC_YOUNG, GcPauses, quiet_collector
+from testbed.collector import GC_YOUNG, GcPauses, freeze_more, quiet_collector
 
 
 def test_the_loop_collects_young_objects_rarely_and_restores_the_collector():
@@ -31,19 +31,29 @@ def test_the_loop_collects_young_objects_rarely_and_restores_the_collector():
 
 
 def test_a_frozen_heap_leaves_a_full_collection_only_what_the_loop_made():
-    """What existed before the loop is not walked: a full collection inside finds only
-    the cycles made inside, and they are still freed."""
+    """What existed before the loop is not walked: a full collection inside frees the cycles
+    made inside, not one that was made before (frozen), which is freed after the block."""
+    import weakref
+
     class Node:
         pass
 
+    gc.collect()
+    old_a, old_b = Node(), Node()
+    old_a.other, old_b.other = old_b, old_a
+    old = weakref.ref(old_a)
     with quiet_collector():
-        frozen = gc.get_freeze_count()
+        del old_a, old_b  # garbage now, but frozen
         for _ in range(100):  # cycles made in the loop
             a, b = Node(), Node()
             a.other, b.other = b, a
+        new = weakref.ref(a)
         del a, b
-        assert gc.collect() >= 200  # found and freed
-        assert gc.get_freeze_count() == frozen
+        gc.collect()
+        assert new() is None  # the loop's cycle is found and freed
+        assert old() is not None  # the frozen one is not walked
+    gc.collect()
+    assert old() is None  # unfrozen with the rest: freed no later than the next collection
 
 
 def test_pauses_count_every_collection_by_generation_while_installed():
@@ -58,3 +68,15 @@ def test_pauses_count_every_collection_by_generation_while_installed():
     st = p.stats()
     assert st["gc_collections"] == [1, 0, 1] and st["gc_pause_ms_max"] > 0
     p.remove()  # a second removal is harmless
+
+
+def test_freezing_more_inside_the_block_takes_what_start_up_made_and_nothing_outside():
+    assert gc.get_freeze_count() == 0
+    freeze_more()  # outside: Python's behaviour is kept
+    assert gc.get_freeze_count() == 0
+    with quiet_collector(young=None):
+        first = gc.get_freeze_count()
+        made = [[i] for i in range(1000)]  # the start-up's objects
+        freeze_more()
+        assert gc.get_freeze_count() >= first + len(made)
+    assert gc.get_freeze_count() == 0

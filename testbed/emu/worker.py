@@ -36,7 +36,7 @@ import yaml
 
 from hetroute.state import StateView
 
-from ..collector import GcPauses, quiet_collector
+from ..collector import GcPauses, freeze_more, quiet_collector
 from ..core import TokenLayerCore, calibrate_decision_s
 from ..lifecycle import die_with_parent
 from ..records import RecordWriter
@@ -188,6 +188,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
             raise RuntimeError(f"expected START, got {line!r}")
         self.t0 = float(line.split()[1])
         self.cpu_at_start = time.process_time()
+        freeze_more()  # the start-up's objects too (a full collection walked them: 14-50 ms)
         self.gc_pauses.install()  # collections during the run stall this loop (wall time)
         # silence counts from the first window, when the first STATE frames are sent
         self.last_heard = [self.wall(self.window)] * self.N
