@@ -11,10 +11,12 @@ costs time. Two costs are worth removing:
 - a young collection every 700 allocations (Python's default).
 
 ``quiet_collector`` freezes what exists when the loop starts (``gc.freeze``: left out of
-every later collection, freed no later than before, since it is unfrozen at the end) and,
-in the simulator, collects the youngest generation every ``GC_YOUNG`` allocations; cycles
-a router makes are still collected, later. ``GcPauses`` measures what collections remain
-(an emulated worker's pause is wall time its loop does not serve, emulated time times T).
+every later collection; an object that dies by reference count is freed at once, frozen or
+not, and a frozen cycle is freed after the block, when everything is unfrozen) and, in the
+simulator, collects the youngest generation every ``GC_YOUNG`` allocations; cycles a
+router makes are still collected, later. ``GcPauses`` measures what collections remain
+(in an emulated worker a pause is wall time in which its loop serves nothing: the pause
+divided by T of emulated time).
 """
 
 from __future__ import annotations
