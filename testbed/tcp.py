@@ -65,6 +65,7 @@ by the same rule).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from math import ceil
 
@@ -263,6 +264,18 @@ class AckClock:
         extra = self._run(start_s, segs)
         self.last_end = start_s + tx_s + extra
         return extra
+
+
+def warm_up(params: TcpParams) -> float:
+    """Load the ACK clock's compiled kernel (``_send``) with a throwaway connection;
+    returns the wall seconds it took. Its first call in a process costs 0.2-0.7 s
+    (numba's start-up and its cache; measured here), which an emulated worker must pay
+    before its run: paid inside it, it held each worker's first data message back by
+    that much wall time, 1.0-1.9 ms emulated at T = 127 (README, "Emulator against
+    simulator")."""
+    t0 = time.perf_counter()
+    AckClock(params, 1e-3, 1e9).wait(0.0, 4 * params.mss, 1e-5)
+    return time.perf_counter() - t0
 
 
 def window(params: TcpParams, bandwidth, delay, efficiency: float, m: int, n: int):

@@ -234,3 +234,17 @@ def test_the_simulator_adds_the_window_wait_to_a_cold_fan_out(model):
     st, tl, _ = _run(FakeSetup(cl, sh, dep, Fixed({0: 0}, agg=1), [Req(0, 0.0)], {0: [((0,),)]},
                                spec=spec))
     assert st.tcp_waits == 0
+
+
+def test_warm_up_loads_the_ack_clocks_kernel_in_a_fresh_process() -> None:
+    """An emulated worker calls ``warm_up`` before its run: the kernel's first call in a
+    process (numba's start-up, its cache) cost 0.2-0.7 s and, paid at the first message,
+    held every worker's first hand-off back (1.0-1.9 ms emulated at T = 127)."""
+    import subprocess
+    import sys
+    code = ("from testbed.tcp import _send, warm_up, TcpParams\n"
+            "n0 = len(_send.signatures)\n"
+            "s = warm_up(TcpParams())\n"
+            "print(n0, len(_send.signatures), s > 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "1", "True"], out

@@ -44,7 +44,7 @@ from ..records import RecordWriter
 from ..setup import build_setup
 from ..spec import parse_spec
 from ..steps import StepScheduler
-from ..tcp import hold_clocks
+from ..tcp import hold_clocks, warm_up
 from .experts import ExpertBank, ExpertSpec
 from .node.aggregation import Aggregation
 from .node.compute import Compute
@@ -183,6 +183,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up
         self.router_warmup_s = warm_router(self.setup.router, self.setup.shape.n_layers)
+        # the window's compiled kernel too: its first load held the first message back
+        self.tcp_warmup_s = warm_up(self.spec.net.params()) if self.holds is not None else 0.0
         print("READY", flush=True)
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if not line.startswith("START"):
@@ -250,6 +252,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "kernel_over_padding": int((use > 1.0).sum()),
                 "decisions": len(self.decision_cpu),
                 "router_warmup_ms": getattr(self, "router_warmup_s", 0.0) * 1e3,
+                "tcp_warmup_ms": getattr(self, "tcp_warmup_s", 0.0) * 1e3,
                 "decision_cpu_us_mean": float(np.mean(self.decision_cpu) * 1e6) if self.decision_cpu else 0.0,
                 "decision_cpu_us_p99": float(np.percentile(self.decision_cpu, 99) * 1e6)
                 if self.decision_cpu else 0.0,
