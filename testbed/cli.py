@@ -307,6 +307,8 @@ def capacity(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
              lo: float = typer.Option(1.0, help="lowest load tried (req/s)"),
              hi: float = typer.Option(320.0, help="highest load tried (req/s)"),
              rel_tol: float = typer.Option(0.1, help="stop when the bracket is this tight"),
+             seeds: int = typer.Option(1, min=1, max=100, help="seeds per probe, their "
+                                       "requests pooled (the spec's seed and the next ones)"),
              results: Path = typer.Option(Path("results"), help="results root")) -> None:
     """Highest load at which 90% of requests meet the SLA (simulator, cached runs)."""
     from topologies import TopologyError
@@ -317,7 +319,7 @@ def capacity(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     try:
         base = _load(spec, set_)
         for r in router:
-            c = find_capacity(base, r, results, lo=lo, hi=hi, rel_tol=rel_tol,
+            c = find_capacity(base, r, results, lo=lo, hi=hi, rel_tol=rel_tol, seeds=seeds,
                               log=lambda m: typer.echo(m, err=True))
             c = asdict(c)
             typer.echo(f"{r}: capacity {describe(c)} ({criterion(c)}, physics {c['physics']})")

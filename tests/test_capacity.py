@@ -87,7 +87,7 @@ def test_capacity_looks_past_a_light_load_that_misses(tmp_path, monkeypatch, cur
     grow ends the search upwards."""
     import testbed.capacity as C
 
-    def probe(spec, rate, root, cache):
+    def probe(spec, rate, root, cache, tag=""):
         return {"sla_ratio": curve.get(rate, 0.0), "unstable": rate >= 4 and curve.get(rate, 0) < 0.9}
     monkeypatch.setattr(C, "_probe", probe)
     c = find_capacity(parse_spec(SPEC), "edgeshard", tmp_path, lo=1.0, hi=64.0, rel_tol=0.99,
@@ -97,3 +97,57 @@ def test_capacity_looks_past_a_light_load_that_misses(tmp_path, monkeypatch, cur
     assert ("lighter loads miss (1, 2 req/s)" in text) == bool(missed)
     if not capacity:
         assert text == "0 (every load tried misses: 1, 2, 4 req/s)"
+
+
+def test_a_pooled_probe_weighs_each_seed_by_its_measured_requests(tmp_path, monkeypatch):
+    """With ``seeds`` > 1 a probe's share is that of all its seeds' measured requests: a
+    load where one seed is lucky (100%) and one is not (70%) misses 90% (85% pooled), where
+    the one-seed search, reading the lucky seed alone, would pass it."""
+    import testbed.capacity as C
+    runs: list[tuple[float, int, str]] = []
+
+    def probe(spec, rate, root, cache, tag=""):
+        runs.append((rate, spec.seed, tag))
+        share = {0: 1.0, 1: 0.7, 2: 0.9}[spec.seed] if rate >= 8 else 1.0
+        n = {0: 10, 1: 10, 2: 0}[spec.seed]  # seed 2 measures nothing: it counts as none
+        return {"sla_ratio": share if n else float("nan"), "requests": n, "unstable": False}
+    monkeypatch.setattr(C, "_probe", probe)
+    one = find_capacity(parse_spec(SPEC), "edgeshard", tmp_path, lo=4.0, hi=16.0, rel_tol=0.99,
+                        log=lambda s: None)
+    assert one.capacity_rps == 16.0 and not one.bounded and one.seeds == 1
+    runs.clear()
+    logs: list[str] = []
+    three = find_capacity(parse_spec(SPEC), "edgeshard", tmp_path, lo=4.0, hi=16.0,
+                          rel_tol=0.99, log=logs.append, seeds=3)
+    assert three.capacity_rps == pytest.approx(32 ** 0.5) and three.bounded  # (4 and 8 bisected)
+    assert [(r, sla) for r, sla, _ in three.probes][:2] == [(4.0, 1.0), (8.0, 0.85)]
+    assert three.probe_seeds[1][:2] == [1.0, 0.7]
+    # each seed its own folder: the spec's seed in rate=<r>, the next ones beside it
+    assert runs[:3] == [(4.0, 0, ""), (4.0, 1, "-seed1"), (4.0, 2, "-seed2")]
+    assert "85.0% within the SLA (seeds: 100.0%, 70.0%, nan%)" in logs[1]
+    # both answers are kept; compare and the figures read the pooled one
+    root = tmp_path / "capacity" / "cap-hardware-sla150ms" / "edgeshard"
+    assert sorted(f.name for f in root.glob("capacity*.json")) == ["capacity-seeds3.json",
+                                                                   "capacity.json"]
+    got = read_capacities(tmp_path, parse_spec(SPEC))["edgeshard"]
+    assert got["capacity_rps"] == three.capacity_rps and got["seeds"] == 3
+    assert describe(got) == "5.66 req/s (3 seeds pooled per probe)"
+    with pytest.raises(SpecError, match="seeds"):
+        find_capacity(parse_spec(SPEC), "edgeshard", tmp_path, seeds=0)
+
+
+@pytest.mark.slow
+def test_a_pooled_probe_runs_each_seed_in_its_own_folder(tmp_path):
+    spec = parse_spec(SPEC)
+    c = find_capacity(spec, "edgeshard", tmp_path, lo=8.0, hi=12.0, rel_tol=0.99,
+                      log=lambda s: None, seeds=2)
+    root = tmp_path / "capacity" / "cap-hardware-sla150ms" / "edgeshard"
+    assert (root / "rate=8" / "metrics.json").exists() and (root / "rate=8-seed1" / "metrics.json").exists()
+    import yaml
+    seeds = [yaml.safe_load((root / d / "spec.resolved.yaml").read_text())["seed"]
+             for d in ("rate=8", "rate=8-seed1")]
+    assert seeds == [0, 1]
+    m0, m1 = (json.loads((root / d / "metrics.json").read_text()) for d in ("rate=8", "rate=8-seed1"))
+    pooled = (m0["sla_ratio"] * m0["requests"] + m1["sla_ratio"] * m1["requests"]) / (
+        m0["requests"] + m1["requests"])
+    assert c.probes[0][1] == pytest.approx(pooled) and c.probe_seeds[0] == [m0["sla_ratio"], m1["sla_ratio"]]
