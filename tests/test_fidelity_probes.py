@@ -66,3 +66,17 @@ def test_a_worker_whose_kernels_outlast_their_padding_is_flagged():
     many = fidelity_summary({"dilation": 32, "workers": [
         {"rank": 2, "batches": 1000, "kernel_over_padding": 11, "kernel_padding_share_p99": 1.2}]})
     assert few["flags"] == [] and len(many["flags"]) == 1
+
+
+def test_jobs_that_missed_their_step_are_flagged_over_one_percent():
+    """A job whose modeled arrival is before a step's start but that reached the stream
+    after it started changes that step's batch (the simulator runs it in it)."""
+    from testbed.emu.backend import fidelity_summary
+    few = fidelity_summary({"dilation": 32, "workers": [
+        {"rank": 1, "jobs": 1000, "jobs_missed_step": 9, "missed_late_ms_p99": 4.0}]})["flags"]
+    many = fidelity_summary({"dilation": 32, "workers": [
+        {"rank": 1, "jobs": 1000, "jobs_missed_step": 11, "missed_late_ms_p99": 4.0}]})["flags"]
+    assert few == [] and many == [
+        "w1: 11 jobs (1.1%) reached the stream after the step they had arrived for had started "
+        "(p99 4.00 ms of wall time after its start): the simulator runs them in it; raise T or "
+        "emu.step_guard_ms"]

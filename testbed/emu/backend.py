@@ -33,7 +33,8 @@ from .dilation import choose_dilation
 from .hosts import EmulatedNetwork
 from .hosts.names import WORKER_MARK
 from .hosts.readback import tc_classes
-from .tolerances import CPU_SATURATED_PCT, KERNEL_OVER_NOISE, RATE_READBACK_REL, RELEASE_LATE_REL
+from .tolerances import (CPU_SATURATED_PCT, KERNEL_OVER_NOISE, MISSED_STEP_REL, RATE_READBACK_REL,
+                         RELEASE_LATE_REL)
 
 STORE_PORT = 29400  # torch.distributed TCPStore on rank 0
 BASE_PORT = 47000
@@ -259,6 +260,12 @@ def fidelity_summary(stats: dict) -> dict:
             flags.append(f"w{w['rank']}: {w['kernel_over_padding']} steps whose real kernels took "
                          f"longer than their padding T x modeled (p99 {w['kernel_padding_share_p99']:.2f} "
                          f"of it): the worker's own compute is not hidden by T")
+        missed = w.get("jobs_missed_step", 0)
+        if missed > max(KERNEL_OVER_NOISE, MISSED_STEP_REL * (w.get("jobs") or 0)):
+            flags.append(f"w{w['rank']}: {missed} jobs ({missed / w['jobs']:.1%}) reached the "
+                         f"stream after the step they had arrived for had started (p99 "
+                         f"{w['missed_late_ms_p99']:.2f} ms of wall time after its start): the "
+                         f"simulator runs them in it; raise T or emu.step_guard_ms")
         if w.get("wire_errors"):
             flags.append(f"w{w['rank']}: {w['wire_errors']} malformed frames")
         if w.get("handler_errors") or w.get("kernel_errors"):

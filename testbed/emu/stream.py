@@ -10,6 +10,13 @@ Starts follow the modeled timeline, not the time a timer happened to fire, so
 a late release does not push later steps back; how late each release was is
 recorded (the fidelity monitor reports it).
 
+A step takes its jobs ``guard_s`` of wall time after its modeled start (at most
+``GUARD_SHARE`` of its own dilated time): a job whose modeled arrival is before
+the start but whose frame the host delivered a little late (a sender's loop
+running behind) still joins it, as it would in the simulator, instead of
+waiting for the next step; what still misses is counted (``missed``). The
+step's model times do not change; its kernels run later within its padding.
+
 It runs in the worker's event loop: no thread hand-off, so a release costs a
 timer callback, not a context switch and the GIL.
 """
@@ -24,6 +31,10 @@ from typing import Any, Callable
 import torch
 
 from ..steps import DENSE, Job, StepScheduler
+
+#: the largest share of a step's dilated time its guard may take (the rest is left for its
+#: kernels and the release's own lateness)
+GUARD_SHARE = 0.25
 
 Kernel = Callable[[int, torch.Tensor], torch.Tensor]  # (replica, [B, d]) -> [B, d]
 
@@ -51,6 +62,12 @@ class StreamStats:
     #: T x modeled the worker's own compute uses (on CUDA with full-size experts, measured
     #: kernel time against the model's)
     kernel: list[tuple[float, float]] = field(default_factory=list)
+    #: jobs queued while a step of their own group (layer, or replica under the paper's
+    #: world) ran that had arrived, in model time, by that step's start: the simulator
+    #: would have had them in it. Their delivery came too late in wall time (a sender's
+    #: loop running late, the host's scheduling), so they wait for a later step
+    missed: int = 0
+    missed_late: list[float] = field(default_factory=list)  # how late, wall s after the start
 
 
 class ModeledStream:
@@ -59,8 +76,11 @@ class ModeledStream:
     def __init__(self, loop: asyncio.AbstractEventLoop, dilation: float, scheduler: StepScheduler,
                  kernel: Kernel, on_done: Callable[[Job], None], now: Callable[[], float],
                  wall: Callable[[float], float], log: Callable[[str], None] = lambda s: None,
-                 on_step_done: Callable[[], None] | None = None) -> None:
+                 on_step_done: Callable[[], None] | None = None, guard_s: float = 0.0) -> None:
         self.loop, self.T = loop, float(dilation)
+        #: wall seconds past a step's modeled start before it takes its jobs (layer scope)
+        self.guard_s = float(guard_s)
+        self._guard: asyncio.TimerHandle | None = None
         #: called once a step's jobs are all released (``released_at`` still set): what the
         #: step released together leaves together (``engine.dispatch: step``)
         self.on_step_done = on_step_done
@@ -72,6 +92,9 @@ class ModeledStream:
         self._soon = False
         #: while a step's jobs are released: the model time it ended (``on_done`` reads it)
         self.released_at: float | None = None
+        #: the running step's model start and group key (``missed``)
+        self._step_start = -1.0
+        self._step_key = None
 
     @property
     def busy(self) -> bool:
@@ -85,6 +108,11 @@ class ModeledStream:
         """``job.arrival`` in model seconds; ``job.owner`` a ``Work``. An idle stream starts
         once the current callback has queued all it submits (tokens released together
         batch together, as in the simulator)."""
+        sc = self.sched
+        if sc.busy and job.arrival <= self._step_start + 1e-9 and self._step_key == (
+                job.layer if sc.scope == "layer" else job.replica):
+            self.stats.missed += 1
+            self.stats.missed_late.append(time.monotonic() - self.wall(self._step_start))
         self.sched.submit(job)
         if self.sched.scope == "replica":  # the paper's world starts at once, as before
             if not self.sched.busy:
@@ -112,7 +140,18 @@ class ModeledStream:
                 self._wake = self.loop.call_at(self.wall(ready), self._woken)
             return
         start = max(start, ready)
+        if self.guard_s > 0 and sc.scope == "layer":
+            due = self.wall(start) + min(self.guard_s, GUARD_SHARE * sc.next_estimate() * self.T)
+            if due > time.monotonic():
+                if self._guard is not None and self._guard.when() > due + 1e-6:
+                    self._guard.cancel()  # an earlier job came in: its step starts sooner
+                    self._guard = None
+                if self._guard is None:
+                    self._guard = self.loop.call_at(due, self._guarded)
+                return
         step = sc.take(start, arrived_by=max(arrived_by, start))
+        self._step_start = start
+        self._step_key = step.layer if sc.scope == "layer" else step.jobs[0].replica
         groups: dict[int, list[Job]] = {}
         for j in step.jobs:
             if j.replica != DENSE:
@@ -137,6 +176,10 @@ class ModeledStream:
         self.stats.batches += 1
         self.stats.jobs += len(step.jobs)
         self.loop.call_at(self.wall(end), self._finish, step.jobs, start, end, step.duration)
+
+    def _guarded(self) -> None:
+        self._guard = None
+        self._start()
 
     def _woken(self) -> None:
         self._wake = None

@@ -9,3 +9,6 @@ CPU_SATURATED_PCT = 95.0  # a one-second host CPU sample at or above this is sat
 #: steps whose real kernels outlast their padding that are still host noise (a kernel
 #: preempted now and then); a worker is flagged above this and above 1% of its steps
 KERNEL_OVER_NOISE = 2
+#: jobs that reached a stream after the step they had arrived for (model time) started, as a
+#: share of the worker's jobs, above which the run is flagged (each changes a step's batch)
+MISSED_STEP_REL = 0.01

@@ -167,7 +167,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                               moe_kernels=eng.moe_kernels)
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
                                     self.wall, self._log,
-                                    self._flush_step if self.step_dispatch else None)
+                                    self._flush_step if self.step_dispatch else None,
+                                    guard_s=self.spec.emu.step_guard_ms * 1e-3)
         if self.cfg.rendezvous is not None:  # peers from the store, not from the config
             host, port = self.cfg.rendezvous
             peers, self._store, secret = await loop.run_in_executor(
@@ -250,6 +251,10 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "kernel_padding_share_p50": float(np.median(use)),
                 "kernel_padding_share_p99": float(np.percentile(use, 99)),
                 "kernel_over_padding": int((use > 1.0).sum()),
+                "jobs_missed_step": st.missed,
+                "missed_late_ms_p50": float(np.median(st.missed_late) * 1e3) if st.missed_late else 0.0,
+                "missed_late_ms_p99": float(np.percentile(st.missed_late, 99) * 1e3)
+                if st.missed_late else 0.0,
                 "decisions": len(self.decision_cpu),
                 "router_warmup_ms": getattr(self, "router_warmup_s", 0.0) * 1e3,
                 "tcp_warmup_ms": getattr(self, "tcp_warmup_s", 0.0) * 1e3,
