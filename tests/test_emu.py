@@ -86,6 +86,8 @@ def test_small3_smoke_run_completes_with_fidelity_table(tmp_path: Path) -> None:
     assert all("release_late_p99_ms" in w for w in workers)
     # every worker loaded the TCP window's kernel before its run, not at its first message
     assert all(w["tcp_warmup_ms"] > 0 for w in workers)
+    # jobs that reached their stream after the step they had arrived for are counted
+    assert all(w["jobs_missed_step"] >= 0 and "missed_late_ms_p99" in w for w in workers)
     assert sum(w["handler_errors"] for w in workers) == 0
     # each step's real kernels are timed beside its padding T x modeled
     assert all(w["kernel_wall_ms_p50"] > 0 and w["kernel_padding_share_p50"] > 0

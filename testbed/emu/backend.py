@@ -262,8 +262,8 @@ def fidelity_summary(stats: dict) -> dict:
                          f"of it): the worker's own compute is not hidden by T")
         missed = w.get("jobs_missed_step", 0)
         if missed > max(KERNEL_OVER_NOISE, MISSED_STEP_REL * (w.get("jobs") or 0)):
-            flags.append(f"w{w['rank']}: {missed} jobs ({missed / w['jobs']:.1%}) reached the "
-                         f"stream after the step they had arrived for had started (p99 "
+            flags.append(f"w{w['rank']}: {missed} jobs ({missed / w['jobs']:.1%}) delivered "
+                         f"late for the step they had arrived for (p99 "
                          f"{w['missed_late_ms_p99']:.2f} ms of wall time after its start): the "
                          f"simulator runs them in it; raise T or emu.step_guard_ms")
         if w.get("wire_errors"):
