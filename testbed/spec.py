@@ -148,12 +148,6 @@ class EmuSpec(_Model):
     expert_d_model: int = Field(64, ge=8, le=16_384, description="hidden size of the emulated experts")
     max_drain_s: float = Field(5.0, gt=0, le=3_600, description="emulated seconds to wait after the last "
                                "arrival; requests unfinished then are recorded as failed")
-    step_guard_ms: float = Field(
-        2.0, ge=0, le=1_000, description="wall milliseconds a hardware-world step waits past its "
-        "modeled start before it takes its jobs, so that a frame the host delivered late but "
-        "whose modeled arrival is before the start joins it, as in the simulator (at most a "
-        "quarter of the step's dilated time; 0: take at once). Model times are unchanged "
-        "(testbed/emu/stream.py)")
 
 
 class NetSpec(_Model):

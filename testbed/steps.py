@@ -224,13 +224,6 @@ class StepScheduler:
             return next(iter(self.queue))
         return min(self._head, key=self._head.__getitem__)
 
-    def next_estimate(self) -> float:
-        """Estimated stream seconds of the next step (layer scope: the queued work of the
-        group it takes, exact where it takes the whole group; replica scope: 0)."""
-        if self.scope == "replica" or not self.queue:
-            return 0.0
-        return self._layer_cost.get(self._next_key(), 0.0)
-
     def earliest(self) -> float:
         """Arrival of the first-arrived queued job: the earliest a step can start (the
         emulator's jobs carry model-time arrivals that may lie ahead of its loop)."""

@@ -72,7 +72,6 @@ SPECS = [
     ("emu: {cpu_fraction: 7}\n", "emu.cpu_fraction"),
     ("emu: {cpu_fraction: 0}\n", "emu.cpu_fraction"),
     ("emu: {max_drain_s: 0}\n", "emu.max_drain_s"),
-    ("emu: {step_guard_ms: -1}\n", "emu.step_guard_ms"),
     ("emu: {expert_d_model: 4}\n", "emu.expert_d_model"),
     ("emu: {delay_mechanism: pigeons}\n", "emu.delay_mechanism"),
     ("faults: [{kind: explode, at_s: 1}]\n", "faults[0].kind"),

@@ -481,30 +481,25 @@ def test_a_senders_frames_carry_the_simulators_window_wait_and_the_receiver_adds
     assert arrivals["Hidden"] == pytest.approx(t + 0.002 + T * sent[0].msg.hold_s)
 
 
-@pytest.mark.parametrize("guard_s, first_step, missed", [(0.002, [0, 1], 0), (0.0, [0], 1)])
-def test_a_guarded_step_takes_a_job_delivered_late_but_arrived_by_its_start(guard_s, first_step,
-                                                                            missed):
+def test_a_job_delivered_after_the_step_it_had_arrived_for_started_is_counted():
     """Job 1 arrives (model time) with job 0 but reaches the stream 1 ms of wall time later
-    (a sender running late): with the guard it joins job 0's step, as in the simulator; without
-    it, it waits for the next step and is counted as missed. Job 2, which arrives later in
-    model time too, waits either way. The guarded step's model times do not move."""
+    (a sender running late): job 0's step has started, so job 1 waits for the next step
+    (the simulator would have run it in job 0's) and is counted as missed. Job 2, which
+    arrives later in model time too, waits as it would in the simulator: not counted."""
     loop = precise_loop()
     done = []
     t0 = time.monotonic() + 0.02
     s, _ = _stream(loop, lambda j: done.append((time.monotonic(), j)), scope="layer", t0=t0)
-    s.guard_s = guard_s
-    arrival = 0.0  # model seconds: the moment the loop submits job 0
 
     def submit(i, at):
         s.submit(_job(0, at, i))
-    loop.call_at(t0, submit, 0, arrival)
-    loop.call_at(t0 + 0.001, submit, 1, arrival)  # delivered 1 ms late, arrived with job 0
+    loop.call_at(t0, submit, 0, 0.0)
+    loop.call_at(t0 + 0.001, submit, 1, 0.0)  # delivered 1 ms late, arrived with job 0
     loop.call_at(t0 + 0.001, submit, 2, 0.001 / T)  # arrived 1 ms of wall time later
     loop.run_until_complete(asyncio.sleep(0.3))
     loop.close()
-    assert s.stats.batches == 2 and s.stats.missed == missed
+    assert s.stats.batches == 2 and s.stats.missed == 1
+    assert s.stats.missed_late[0] == pytest.approx(0.001, abs=2e-3)
     first = min(t for t, _ in done) - t0
-    together = sorted(j.owner.owner for t, j in done if t - t0 < first + 1e-3)
-    assert together == first_step  # job 2 is in the second step either way
-    # released at the model's end of the first step from job 0's arrival: not moved by the guard
-    assert first == pytest.approx(len(first_step) * COMP * T, abs=3e-3)
+    assert [j.owner.owner for t, j in done if t - t0 < first + 1e-3] == [0]
+    assert first == pytest.approx(COMP * T, abs=3e-3)

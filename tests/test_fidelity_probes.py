@@ -78,4 +78,4 @@ def test_jobs_that_missed_their_step_are_flagged_over_one_percent():
         {"rank": 1, "jobs": 1000, "jobs_missed_step": 11, "missed_late_ms_p99": 4.0}]})["flags"]
     assert few == [] and many == [
         "w1: 11 jobs (1.1%) delivered late for the step they had arrived for (p99 4.00 ms of "
-        "wall time after its start): the simulator runs them in it; raise T or emu.step_guard_ms"]
+        "wall time after its start): the simulator runs them in it; raise T"]

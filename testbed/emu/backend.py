@@ -265,7 +265,7 @@ def fidelity_summary(stats: dict) -> dict:
             flags.append(f"w{w['rank']}: {missed} jobs ({missed / w['jobs']:.1%}) delivered "
                          f"late for the step they had arrived for (p99 "
                          f"{w['missed_late_ms_p99']:.2f} ms of wall time after its start): the "
-                         f"simulator runs them in it; raise T or emu.step_guard_ms")
+                         f"simulator runs them in it; raise T")
         if w.get("wire_errors"):
             flags.append(f"w{w['rank']}: {w['wire_errors']} malformed frames")
         if w.get("handler_errors") or w.get("kernel_errors"):

@@ -10,12 +10,11 @@ Starts follow the modeled timeline, not the time a timer happened to fire, so
 a late release does not push later steps back; how late each release was is
 recorded (the fidelity monitor reports it).
 
-A step takes its jobs ``guard_s`` of wall time after its modeled start (at most
-``GUARD_SHARE`` of its own dilated time): a job whose modeled arrival is before
-the start but whose frame the host delivered a little late (a sender's loop
-running behind) still joins it, as it would in the simulator, instead of
-waiting for the next step; what still misses is counted (``missed``). The
-step's model times do not change; its kernels run later within its padding.
+A job whose modeled arrival is before a step's start but whose frame the host
+delivered after that step had started (a sender's loop running behind) waits
+for the next step, where the simulator runs it in that one; such jobs are
+counted (``missed``, flagged above 1% of a worker's jobs). Measured on asym5's
+overloaded Prism at T = 32, none did (README, "Emulator against simulator").
 
 It runs in the worker's event loop: no thread hand-off, so a release costs a
 timer callback, not a context switch and the GIL.
@@ -31,10 +30,6 @@ from typing import Any, Callable
 import torch
 
 from ..steps import DENSE, Job, StepScheduler
-
-#: the largest share of a step's dilated time its guard may take (the rest is left for its
-#: kernels and the release's own lateness)
-GUARD_SHARE = 0.25
 
 Kernel = Callable[[int, torch.Tensor], torch.Tensor]  # (replica, [B, d]) -> [B, d]
 
@@ -76,11 +71,8 @@ class ModeledStream:
     def __init__(self, loop: asyncio.AbstractEventLoop, dilation: float, scheduler: StepScheduler,
                  kernel: Kernel, on_done: Callable[[Job], None], now: Callable[[], float],
                  wall: Callable[[float], float], log: Callable[[str], None] = lambda s: None,
-                 on_step_done: Callable[[], None] | None = None, guard_s: float = 0.0) -> None:
+                 on_step_done: Callable[[], None] | None = None) -> None:
         self.loop, self.T = loop, float(dilation)
-        #: wall seconds past a step's modeled start before it takes its jobs (layer scope)
-        self.guard_s = float(guard_s)
-        self._guard: asyncio.TimerHandle | None = None
         #: called once a step's jobs are all released (``released_at`` still set): what the
         #: step released together leaves together (``engine.dispatch: step``)
         self.on_step_done = on_step_done
@@ -140,15 +132,6 @@ class ModeledStream:
                 self._wake = self.loop.call_at(self.wall(ready), self._woken)
             return
         start = max(start, ready)
-        if self.guard_s > 0 and sc.scope == "layer":
-            due = self.wall(start) + min(self.guard_s, GUARD_SHARE * sc.next_estimate() * self.T)
-            if due > time.monotonic():
-                if self._guard is not None and self._guard.when() > due + 1e-6:
-                    self._guard.cancel()  # an earlier job came in: its step starts sooner
-                    self._guard = None
-                if self._guard is None:
-                    self._guard = self.loop.call_at(due, self._guarded)
-                return
         step = sc.take(start, arrived_by=max(arrived_by, start))
         self._step_start = start
         self._step_key = step.layer if sc.scope == "layer" else step.jobs[0].replica
@@ -176,10 +159,6 @@ class ModeledStream:
         self.stats.batches += 1
         self.stats.jobs += len(step.jobs)
         self.loop.call_at(self.wall(end), self._finish, step.jobs, start, end, step.duration)
-
-    def _guarded(self) -> None:
-        self._guard = None
-        self._start()
 
     def _woken(self) -> None:
         self._wake = None

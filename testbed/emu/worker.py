@@ -167,8 +167,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                               moe_kernels=eng.moe_kernels)
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
                                     self.wall, self._log,
-                                    self._flush_step if self.step_dispatch else None,
-                                    guard_s=self.spec.emu.step_guard_ms * 1e-3)
+                                    self._flush_step if self.step_dispatch else None)
         if self.cfg.rendezvous is not None:  # peers from the store, not from the config
             host, port = self.cfg.rendezvous
             peers, self._store, secret = await loop.run_in_executor(
