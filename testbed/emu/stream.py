@@ -12,7 +12,8 @@ recorded (the fidelity monitor reports it).
 
 A job whose modeled arrival is before a step's start but whose frame the host
 delivered after that step had started (a sender's loop running behind) waits
-for the next step, where the simulator runs it in that one; such jobs are
+for the next step, where the simulator runs it in that one, or (an older
+request's job of another layer) serves its own layer first; such jobs are
 counted (``missed``, flagged above 1% of a worker's jobs). Measured on asym5's
 overloaded Prism at T = 32, none did (README, "Emulator against simulator").
 
@@ -57,10 +58,11 @@ class StreamStats:
     #: T x modeled the worker's own compute uses (on CUDA with full-size experts, measured
     #: kernel time against the model's)
     kernel: list[tuple[float, float]] = field(default_factory=list)
-    #: jobs queued while a step of their own group (layer, or replica under the paper's
-    #: world) ran that had arrived, in model time, by that step's start: the simulator
-    #: would have had them in it. Their delivery came too late in wall time (a sender's
-    #: loop running late, the host's scheduling), so they wait for a later step
+    #: jobs queued while a step ran that had arrived, in model time, by that step's start
+    #: and were of its group (layer, or replica under the paper's world) or, under the layer
+    #: scope, of an older request (first come, first served would have served theirs first):
+    #: the simulator would have had them in that step or ahead of it. Their delivery came
+    #: too late in wall time (a sender's loop running late, the host's scheduling)
     missed: int = 0
     missed_late: list[float] = field(default_factory=list)  # how late, wall s after the start
 
@@ -84,9 +86,10 @@ class ModeledStream:
         self._soon = False
         #: while a step's jobs are released: the model time it ended (``on_done`` reads it)
         self.released_at: float | None = None
-        #: the running step's model start and group key (``missed``)
+        #: the running step's model start, group key and oldest request's arrival (``missed``)
         self._step_start = -1.0
         self._step_key = None
+        self._step_prio = float("inf")
 
     @property
     def busy(self) -> bool:
@@ -101,8 +104,10 @@ class ModeledStream:
         once the current callback has queued all it submits (tokens released together
         batch together, as in the simulator)."""
         sc = self.sched
-        if sc.busy and job.arrival <= self._step_start + 1e-9 and self._step_key == (
-                job.layer if sc.scope == "layer" else job.replica):
+        layer = sc.scope == "layer"
+        if sc.busy and job.arrival <= self._step_start + 1e-9 and (
+                self._step_key == (job.layer if layer else job.replica)
+                or (layer and job.prio < self._step_prio)):
             self.stats.missed += 1
             self.stats.missed_late.append(time.monotonic() - self.wall(self._step_start))
         self.sched.submit(job)
@@ -135,6 +140,7 @@ class ModeledStream:
         step = sc.take(start, arrived_by=max(arrived_by, start))
         self._step_start = start
         self._step_key = step.layer if sc.scope == "layer" else step.jobs[0].replica
+        self._step_prio = min(j.prio for j in step.jobs)
         groups: dict[int, list[Job]] = {}
         for j in step.jobs:
             if j.replica != DENSE:
