@@ -63,8 +63,11 @@ class StreamStats:
     #: scope, of an older request (first come, first served would have served theirs first):
     #: the simulator would have had them in that step or ahead of it. Their delivery came
     #: too late in wall time (a sender's loop running late, the host's scheduling)
-    missed: int = 0
     missed_late: list[float] = field(default_factory=list)  # how late, wall s after the start
+
+    @property
+    def missed(self) -> int:
+        return len(self.missed_late)
 
 
 class ModeledStream:
@@ -108,7 +111,6 @@ class ModeledStream:
         if sc.busy and job.arrival <= self._step_start + 1e-9 and (
                 self._step_key == (job.layer if layer else job.replica)
                 or (layer and job.prio < self._step_prio)):
-            self.stats.missed += 1
             self.stats.missed_late.append(time.monotonic() - self.wall(self._step_start))
         self.sched.submit(job)
         if self.sched.scope == "replica":  # the paper's world starts at once, as before
@@ -140,7 +142,7 @@ class ModeledStream:
         step = sc.take(start, arrived_by=max(arrived_by, start))
         self._step_start = start
         self._step_key = step.layer if sc.scope == "layer" else step.jobs[0].replica
-        self._step_prio = min(j.prio for j in step.jobs)
+        self._step_prio = step.jobs[0].prio  # (a layer's step is in request order: ``take``)
         groups: dict[int, list[Job]] = {}
         for j in step.jobs:
             if j.replica != DENSE:
