@@ -59,10 +59,54 @@ class Comparison:
     work: tuple[int, int] = (0, 0)  # token-layers done (by the cut, where a run was cut)
     cut: bool = False  # an emulated run of these seeds reached its drain cap
     ok_work: bool = True  # work within TOL_WORK (checked where a run was cut)
+    #: ``agree --sim-band``: the simulator's own spread under tiny per-hop jitter (``Band``)
+    band: Band | None = None
 
     @property
     def ok(self) -> bool:
         return self.ok_mean and self.ok_p99 and self.ok_work
+
+    @property
+    def in_band(self) -> bool | None:
+        """Whether every checked metric of the emulator is within tolerance of the exact
+        simulator or inside the simulator's jitter band (None without a band)."""
+        if self.band is None:
+            return None
+        b = self.band
+        inside = lambda v, lo_hi: lo_hi[0] <= v <= lo_hi[1]  # noqa: E731
+        return ((self.ok_mean or inside(self.mean_ms[0], b.mean_ms))
+                and (self.ok_p99 or inside(self.p99_ms[0], b.p99_ms))
+                and (self.ok_work or inside(self.work[0], b.work)))
+
+
+@dataclass
+class Band:
+    """The range the simulator's pooled metrics take over its exact run and runs with a
+    small random delay per hop (``sim.hop_jitter_s``), each cut where the emulated run of
+    the same seed stopped. At an overloaded point the schedule is chaotic: 10 us of jitter
+    per hop (a thirtieth of the smallest link delay of the paper's ranges) moved asym5's
+    HetRoute at 40 req/s by 37% in work done by the cut (README, "Emulator against
+    simulator"). Where that range is wider than the tolerance, no faithful implementation
+    can be held to the tolerance at that point; the band says how wide it is."""
+
+    jitter_s: tuple[float, ...]  # 0.0 (the exact simulator) first
+    mean_ms: tuple[float, float]
+    p99_ms: tuple[float, float]
+    work: tuple[int, int]
+
+    @classmethod
+    def of(cls, jitter_s: tuple[float, ...], sides: list[Side]) -> Band:
+        span = lambda xs: (min(xs), max(xs))  # noqa: E731
+        return cls(tuple(jitter_s), span([s.mean_ms for s in sides]),
+                   span([s.p99_ms for s in sides]), span([s.work for s in sides]))
+
+    def describe(self) -> str:
+        us = "/".join(f"{j * 1e6:g}" for j in self.jitter_s)
+        rel = lambda lo, hi: f"{(hi / lo - 1):.1%}" if lo else "-"  # noqa: E731
+        return (f"simulator under {us} us of mean hop jitter: mean {self.mean_ms[0]:.1f}-"
+                f"{self.mean_ms[1]:.1f} ms ({rel(*self.mean_ms)}), P99 {self.p99_ms[0]:.1f}-"
+                f"{self.p99_ms[1]:.1f} ms ({rel(*self.p99_ms)}), token-layers done "
+                f"{self.work[0]}-{self.work[1]} ({rel(*self.work)})")
 
 
 @dataclass
@@ -147,22 +191,33 @@ def _compare(kind: str, router: str, a: Side, b: Side, seeds: int) -> Comparison
 
 
 def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 1,
-              double_t: bool = True) -> list[Comparison]:
+              double_t: bool = True, band: tuple[float, ...] = ()) -> list[Comparison]:
+    """``band``: jitter means (s) under which the simulator's twins also run, each pooled
+    and cut as the exact twin (``<out>/sim-<router>-jitter<J>``); the row then carries the
+    simulator's ``Band`` and says whether the emulator lies inside it."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, not {seeds}")
+    if any(not 0 < j <= 1e-3 for j in band):
+        raise ValueError(f"sim band jitters must be in (0, 1 ms], not {list(band)}")
     rows = []
     for i, name in enumerate(routers):
         s = spec.with_overrides({"router.name": name})
         emu = _side(s.with_overrides({"backend": "emu"}), seeds, out, f"emu-{name}")
         # the simulator runs every request home; cut it where each emulated run stopped
         sim = _side(s.with_overrides(SIM_TWIN), seeds, out, f"sim-{name}", emu.cuts)
-        rows.append(_compare("emu/sim", name, emu, sim, seeds))
+        row = _compare("emu/sim", name, emu, sim, seeds)
+        if band:
+            jit = [_side(s.with_overrides({**SIM_TWIN, "sim.hop_jitter_s": j}), seeds, out,
+                         f"sim-{name}-jitter{j:g}", emu.cuts) for j in band]
+            row.band = Band.of((0.0, *band), [sim, *jit])
+        rows.append(row)
         if i == 0 and double_t and emu.dilation:
             emu2 = _side(s.with_overrides({"backend": "emu", "emu.dilation": 2 * emu.dilation}),
                          seeds, out, f"emu2T-{name}")
             rows.append(_compare("2T/T", name, emu2, emu, seeds))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "agreement.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    (out / "agreement.json").write_text(json.dumps(
+        [{**asdict(r), "ok": r.ok, "in_band": r.in_band} for r in rows], indent=1))
     return rows
 
 
@@ -180,6 +235,9 @@ def format_rows(rows: list[Comparison]) -> str:
             f"{r.requests[0]:>4}/{r.requests[1]:<4} "
             f"{'ok' if r.ok else 'NO'} (tolerance {tm:.0%} mean, "
             f"{tp:.0%} P99{f'; {r.seeds} seeds pooled' if r.seeds > 1 else ''}{cut})")
+        if r.band is not None:
+            lines.append(f"         {r.band.describe()}; the emulator "
+                         f"{'is inside it' if r.in_band else 'is outside it'}")
     return "\n".join(lines)
 
 

@@ -228,11 +228,19 @@ def agree(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
           seeds: int = typer.Option(1, min=1, max=100, help="seeds per side, their requests "
                                     "pooled (the spec's seed and the next ones)"),
           double_t: bool = typer.Option(True, help="also run the first router on the emulator "
-                                        "at twice its dilation")) -> None:
+                                        "at twice its dilation"),
+          sim_band: list[float] = typer.Option([], help="also run the simulator with this mean "
+                                               "random delay per hop (s; repeat for several) and "
+                                               "report the range its metrics take: how far the "
+                                               "point's schedule moves under tiny timing noise")
+          ) -> None:
     """Emulator vs simulator on one spec, and the emulator at T vs 2T; non-zero exit when out of tolerance."""
     from .agreement import agreement, format_rows
+    if any(not 0 < j <= 1e-3 for j in sim_band):
+        _fail(f"--sim-band: each jitter must be in (0, 0.001] s, not {sim_band}")
+        return
     try:
-        rows = agreement(_load(spec, set_), router, out, seeds, double_t)
+        rows = agreement(_load(spec, set_), router, out, seeds, double_t, tuple(sim_band))
     except SpecError as err:
         _fail(str(err))
         return

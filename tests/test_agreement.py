@@ -159,3 +159,45 @@ def test_seed_spread_shows_work_ratios_where_an_overloaded_point_finishes_nothin
     assert seed_spread(over, cut=True) == "w 0.85-1.00"
     assert seed_spread(over, cut=False) == "-"  # not cut: the work is all of it on both sides
     assert seed_spread(over[:1], cut=True) == "-"
+
+
+def test_sim_band_runs_jittered_twins_and_places_the_emulator_in_their_range(tmp_path, monkeypatch):
+    """``agree --sim-band``: each jitter's twin is pooled and cut like the exact one, the band
+    spans all of them, and a metric out of tolerance passes the band check only inside it."""
+    import dataclasses
+
+    import testbed.agreement as agreement
+    from testbed.agreement import Band, agreement as agree
+
+    def run_experiment(spec, out, progress=True):  # the emulator stood in for by the simulator
+        if spec.backend == "emu":
+            _stand_in({**spec.model_dump(mode="json"), "backend": "sim"}, out)
+        else:
+            from testbed.runner import run_experiment as real
+            real(spec, out, progress=False)
+
+    monkeypatch.setattr(agreement, "run_experiment", run_experiment)
+    spec = parse_spec(SPEC)
+    (row,) = agree(spec, ["edgeshard"], tmp_path, seeds=2, double_t=False, band=(2e-5, 1e-4))
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("sim-"))
+    assert names == ["sim-edgeshard", "sim-edgeshard-jitter0.0001", "sim-edgeshard-jitter0.0001-seed1",
+                     "sim-edgeshard-jitter2e-05", "sim-edgeshard-jitter2e-05-seed1",
+                     "sim-edgeshard-seed1"]
+    b = row.band
+    assert b.jitter_s == (0.0, 2e-5, 1e-4)
+    jit = _side(spec.with_overrides({**agreement.SIM_TWIN, "sim.hop_jitter_s": 1e-4}), 2, tmp_path,
+                "sim-edgeshard-jitter0.0001")  # reused
+    # the exact twin is the stand-in itself; 100 us per hop makes every request slower
+    assert b.mean_ms[0] == pytest.approx(row.mean_ms[1]) and b.mean_ms[1] == pytest.approx(jit.mean_ms)
+    assert jit.mean_ms > row.mean_ms[1]
+    assert row.ok and row.in_band
+    assert json.loads((tmp_path / "agreement.json").read_text())[0]["band"]["jitter_s"] == [0.0, 2e-5, 1e-4]
+    assert "100 us of mean hop jitter" in format_rows([row]) and "is inside it" in format_rows([row])
+    # a mean out of tolerance: inside the band passes the band check, outside does not
+    lo, hi = 100.0, 130.0
+    wide = Band((0.0, 1e-5), (lo, hi), (200.0, 260.0), (1000, 1400))
+    off = dataclasses.replace(row, mean_ms=(120.0, lo), ok_mean=False, band=wide)
+    assert not off.ok and off.in_band
+    assert not dataclasses.replace(off, mean_ms=(140.0, lo)).in_band
+    assert "is outside it" in format_rows([dataclasses.replace(off, mean_ms=(140.0, lo))])
+    assert dataclasses.replace(row, band=None).in_band is None
