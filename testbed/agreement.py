@@ -102,11 +102,15 @@ class Band:
 
     def describe(self) -> str:
         us = "/".join(f"{j * 1e6:g}" for j in self.jitter_s)
-        rel = lambda lo, hi: f"{(hi / lo - 1):.1%}" if lo else "-"  # noqa: E731
-        return (f"simulator under {us} us of mean hop jitter: mean {self.mean_ms[0]:.1f}-"
-                f"{self.mean_ms[1]:.1f} ms ({rel(*self.mean_ms)}), P99 {self.p99_ms[0]:.1f}-"
-                f"{self.p99_ms[1]:.1f} ms ({rel(*self.p99_ms)}), token-layers done "
-                f"{self.work[0]}-{self.work[1]} ({rel(*self.work)})")
+
+        def span(lo_hi: tuple[float, float], fmt: str, unit: str) -> str:
+            lo, hi = lo_hi
+            if lo != lo or hi != hi:  # no measured request finished on some member
+                return "-"
+            rel = f" ({hi / lo - 1:.1%})" if lo else ""
+            return f"{lo:{fmt}}-{hi:{fmt}}{unit}{rel}"
+        return (f"simulator under {us} us of mean hop jitter: mean {span(self.mean_ms, '.1f', ' ms')}, "
+                f"P99 {span(self.p99_ms, '.1f', ' ms')}, token-layers done {span(self.work, 'd', '')}")
 
 
 @dataclass
