@@ -31,3 +31,23 @@ def test_a_message_crosses_a_shaped_link_at_its_rate_from_the_first_byte() -> No
         floor, full = burst_bounds(net.ends[(0, 1)].rate_bit, size)
     assert all(t >= BURST_TOL[0] * floor for t in took), (took, floor)
     assert all(t <= BURST_TOL[1] * full for t in took), (took, full)  # and the link is not slow
+
+
+def test_the_kernels_own_tcp_window_is_kept_out_of_the_way() -> None:
+    """Every host's TCP neither restarts its window after idle (its timeout is wall time,
+    T times too short in emulated time) nor starts a link's connection from 10 segments:
+    the window the workers model (``testbed/tcp.py``) is the only one. On asym5 the
+    kernel's restarts added 1.8-4.8 emulated ms to early hops (README)."""
+    from testbed.emu.hosts import EmulatedNetwork
+    from testbed.emu.hosts.topo import KERNEL_INIT_WINDOW
+    B = 5e6
+    cl = types.SimpleNamespace(n=3, bandwidth=[[0, B, B], [B, 0, B], [B, B, 0]],
+                               delay=[[0, 1e-3, 1e-3], [1e-3, 0, 1e-3], [1e-3, 1e-3, 0]],
+                               names=["a", "b", "c"])
+    with EmulatedNetwork(cl, dilation=32.0, delay_mechanism="transport") as net:
+        for m, h in enumerate(net.hosts):
+            assert h.cmd("sysctl -n net.ipv4.tcp_slow_start_after_idle").strip() == "0"
+            routes = [r for r in h.cmd("ip route show").splitlines() if r.strip()]
+            assert len(routes) == cl.n - 1  # one /30 per link
+            for r in routes:
+                assert f"initcwnd {KERNEL_INIT_WINDOW}" in r and f"initrwnd {KERNEL_INIT_WINDOW}" in r, r
