@@ -79,9 +79,11 @@ def test_small3_smoke_run_completes_with_fidelity_table(tmp_path: Path) -> None:
     assert tl.est_delay_s.notna().all() and (tl.est_delay_s >= 0).all()
     fid = json.loads((tmp_path / "run" / "fidelity.json").read_text())
     assert len(fid["detail"]["links"]) == 6
-    # what may be flagged on this shared 2-core host is lateness (negative padding,
-    # reported with its size), never drops, wire errors or a hit drain cap
-    assert not [f for f in fid["flags"] if "late" not in f], fid["flags"]
+    # what may be flagged on this shared 2-core host is the host's load (late releases,
+    # kernels longer than their padding, a saturated CPU: each reported with its size), never
+    # drops, wire errors or a hit drain cap
+    host_load = ("late", "not hidden by T", "CPU saturated")
+    assert not [f for f in fid["flags"] if not any(h in f for h in host_load)], fid["flags"]
     workers = fid["detail"]["workers"]
     assert all("release_late_p99_ms" in w for w in workers)
     # every worker loaded the TCP window's kernel before its run, not at its first message

@@ -11,7 +11,11 @@ recorded as failed there. Timeouts are armed only in runs that inject faults.
 A token inside a server that dies (the server summing its layer, or routing its
 next one) is known to nobody else: its frames were acknowledged. So in runs that
 inject faults every server tells each home, every window, which of its tokens it
-holds (CUSTODY), and a home keeps each token's latest holder. When a lost peer is
+holds (CUSTODY), and a home keeps each token's latest holder. A home that hands a
+token's layer on itself also takes the aggregator's acknowledgement of it as custody
+(``hand_off_acked``): a server that dies less than a window after the hand-off has sent
+no report of the token yet (a pipeline's first stage killed a few ms after a request
+arrived at its home waited for the drain cap). When a lost peer is
 heard by no peer either (dead, not behind a cut link), ``CUSTODY_GRACE`` windows
 after the loss the home fails the requests whose tokens it last knew there, as
 the simulator fails a token whose residing server died. (A cut link does not do
@@ -68,6 +72,12 @@ class Faults:
             if tok not in toks or toks[tok][1] <= m.t_send:
                 toks[tok] = (m.src, m.t_send)
 
+    def hand_off_acked(self, holder: int, rid: int, tok: int, t_send: float) -> None:
+        """At a home (runs with faults only): ``holder`` acknowledged the state of this home's
+        token, sent at model time ``t_send``; it holds it now, until a later report says
+        otherwise."""
+        self._on_custody(Custody(holder, t_send, (Held(rid, tok),)))
+
     def _check_custody(self) -> None:
         """Fail the requests whose tokens were last held by a peer that nobody hears."""
         for rid in [r for r in self.custody if self.requests[r].done]:
@@ -115,7 +125,7 @@ class Faults:
         if self.stopping:
             return
         pending, self.unacked[peer] = self.unacked[peer], deque()
-        for _, resolve in pending:  # sent, never acknowledged: lost with the link
+        for _, resolve, _ in pending:  # sent, never acknowledged: lost with the link
             self.stats["resolved_unacked"] += 1
             try:
                 resolve(peer)

@@ -74,8 +74,9 @@ class Peers:
         self.loop.call_at(self.wall((window + 1) * self.window), self._tick, window + 1)
 
     def _send(self, dst: int, frame: Frame, resolve=None, at: float | None = None,
-              modeled: bool = True) -> bool:
-        """Send ``frame``; ``resolve(dst)`` runs if ``dst`` is lost before acknowledging it.
+              modeled: bool = True, on_ack=None) -> bool:
+        """Send ``frame``; ``resolve(dst)`` runs if ``dst`` is lost before acknowledging it,
+        ``on_ack()`` (with ``resolve`` only) when it acknowledges it.
         ``at`` is the model time the frame is sent: a frame to this server itself arrives
         then (no link to cross), not when the event loop got round to sending it, so the
         worker's own Python time does not move its jobs' arrival (as in the simulator).
@@ -96,7 +97,7 @@ class Peers:
         if ok:
             self.stats["frames_out"] += 1
             if resolve is not None:
-                self.unacked[dst].append((self.net.sent_frames[dst], resolve))
+                self.unacked[dst].append((self.net.sent_frames[dst], resolve, on_ack))
         return ok
 
     def _held(self, dst: int, frame: Frame, at: float) -> Frame:
@@ -126,7 +127,9 @@ class Peers:
         n = received[self.rank] if self.rank < len(received) else 0
         q = self.unacked.get(src)
         while q and q[0][0] <= n:
-            q.popleft()
+            on_ack = q.popleft()[2]
+            if on_ack is not None:
+                on_ack()
 
     def _on_grouped(self, frame: Frame, arrival: float) -> None:
         """A frame of a step's dispatch group (``engine.dispatch: step``): the group is taken

@@ -209,7 +209,11 @@ class Routing:
                 f = tensor_frame(msg, EMPTY)  # the header: no state, no padding
             else:
                 f = frame if group is None else self._hidden_frame(msg, h)
-            if not self._send(n, f, lost, at=t_disp, modeled=n in routed.per_server):
+            acked = None
+            if n == agg and tok.home == self.rank and self.cfg.faults:
+                def acked(n=n) -> None:  # the aggregator holds it: this home's custody of it
+                    self.hand_off_acked(n, rid, index, t_disp)
+            if not self._send(n, f, lost, at=t_disp, modeled=n in routed.per_server, on_ack=acked):
                 self.relayered.add(key)  # retried below; what was sent of it is stale
                 self.view.alive[n] = False
                 self.view.faultless = False
