@@ -194,6 +194,13 @@ def _compare(kind: str, router: str, a: Side, b: Side, seeds: int) -> Comparison
                       (a.work, b.work), cut, bool(ok_work))
 
 
+def band_error(band: tuple[float, ...] | list[float]) -> str | None:
+    """What is wrong with ``--sim-band``'s jitters (each in (0, 1 ms]), or None."""
+    if any(not 0 < j <= 1e-3 for j in band):
+        return f"--sim-band: each jitter must be in (0, 0.001] s, not {list(band)}"
+    return None
+
+
 def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 1,
               double_t: bool = True, band: tuple[float, ...] = ()) -> list[Comparison]:
     """``band``: jitter means (s) under which the simulator's twins also run, each pooled
@@ -201,8 +208,9 @@ def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 
     simulator's ``Band`` and says whether the emulator lies inside it."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, not {seeds}")
-    if any(not 0 < j <= 1e-3 for j in band):
-        raise ValueError(f"sim band jitters must be in (0, 1 ms], not {list(band)}")
+    bad = band_error(band)
+    if bad:
+        raise ValueError(bad)
     rows = []
     for i, name in enumerate(routers):
         s = spec.with_overrides({"router.name": name})

@@ -235,9 +235,10 @@ def agree(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
                                                "point's schedule moves under tiny timing noise")
           ) -> None:
     """Emulator vs simulator on one spec, and the emulator at T vs 2T; non-zero exit when out of tolerance."""
-    from .agreement import agreement, format_rows
-    if any(not 0 < j <= 1e-3 for j in sim_band):
-        _fail(f"--sim-band: each jitter must be in (0, 0.001] s, not {sim_band}")
+    from .agreement import agreement, band_error, format_rows
+    bad = band_error(sim_band)
+    if bad:
+        _fail(bad)
         return
     try:
         rows = agreement(_load(spec, set_), router, out, seeds, double_t, tuple(sim_band))

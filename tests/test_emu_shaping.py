@@ -45,7 +45,7 @@ def test_the_kernels_own_tcp_window_is_kept_out_of_the_way() -> None:
                                delay=[[0, 1e-3, 1e-3], [1e-3, 0, 1e-3], [1e-3, 1e-3, 0]],
                                names=["a", "b", "c"])
     with EmulatedNetwork(cl, dilation=32.0, delay_mechanism="transport") as net:
-        for m, h in enumerate(net.hosts):
+        for h in net.hosts:
             assert h.cmd("sysctl -n net.ipv4.tcp_slow_start_after_idle").strip() == "0"
             routes = [r for r in h.cmd("ip route show").splitlines() if r.strip()]
             assert len(routes) == cl.n - 1  # one /30 per link
