@@ -323,7 +323,7 @@ def compare_point(router: str, emu: tuple[pd.DataFrame, pd.DataFrame],
 
 
 def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
-                    seeds: int = 1) -> list[PointComparison]:
+                    seeds: int = 1, band: tuple[float, ...] = ()) -> list[PointComparison]:
     """Every point of an emulated sweep against the simulator on its own resolved specs (runs
     under ``out`` mirror the sweep's folders; complete ones are reused), the point's seeds
     pooled as ``agree --seeds`` pools them.
@@ -333,9 +333,17 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
     (``<out>/<point>/emu-seed<s>``), each with its simulated twin. One short emulated run is
     a chaotic sample: on paper10 at 40 req/s (0.6 s of arrivals), HetRoute's seed 0 gave
     970 ms in one emulated run and 1205 ms in another of the same spec (README, "Emulator
-    against simulator"), so a 5% check means something only over pooled seeds."""
+    against simulator"), so a 5% check means something only over pooled seeds.
+
+    ``band``: jitter means (s) under which each seed's twin also runs
+    (``<out>/<point>/seed<s>-jitter<J>``), cut where that seed's emulated run stopped and
+    pooled as the exact twins; the row's check then carries the simulator's ``Band``, as
+    ``agree --sim-band`` does for one spec."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, not {seeds}")
+    bad = band_error(band)
+    if bad:
+        raise ValueError(bad)
     points: dict[Path, list[tuple[Path, ExperimentSpec, dict]]] = {}
     for run in sorted(p.parent for p in Path(sweep_dir).glob("**/spec.resolved.yaml")):
         info = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
@@ -353,6 +361,7 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
             if seed not in taken:
                 runs.append((out / rel / f"emu-seed{seed}", base.with_overrides({"seed": seed}), None))
         pairs, cuts, dil = [], [], None
+        jittered: dict[float, list] = {}
         for run, spec, info in runs:
             if info is None:  # a further seed: run it on the emulator here
                 if not is_done(run, spec):
@@ -366,8 +375,18 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
             cuts.append(_own_cut(stats))
             pairs.append((read_records(run), read_records(twin), cuts[-1]))
             dil = dil if dil is not None else stats.get("dilation")
+            for j in band:  # the jittered twins of this seed, cut where its emulated run stopped
+                jt = out / rel / f"seed{spec.seed}-jitter{j:g}"
+                jspec = spec.with_overrides({**SIM_TWIN, "sim.hop_jitter_s": j})
+                if not is_done(jt, jspec):
+                    run_experiment(jspec, jt, progress=progress)
+                jittered.setdefault(j, []).append((read_records(jt), cuts[-1]))
         w = base.workload
         measured_n, check, per = compare_seeds(base.router.name, pairs, w.warmup_s, w.duration_s, dil)
+        if band:
+            exact = _pooled([(s, c) for _, s, c in pairs], w.warmup_s, w.duration_s)
+            check.band = Band.of((0.0, *band), [exact, *(
+                _pooled(jittered[j], w.warmup_s, w.duration_s) for j in band)])
         per_seed = [(runs[k][1].seed, *rest) for k, *rest in per]
         name = (str(have[0][0].relative_to(sweep_dir)) if len(runs) == 1 else
                 f"{rel}/seeds {','.join(str(r[1].seed) for r in runs)}")
@@ -375,8 +394,16 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
         rows.append(PointComparison(name, w.rate_per_s, first_cut, measured_n, check, per_seed))
     out.mkdir(parents=True, exist_ok=True)
     (out / "agreement.json").write_text(json.dumps(
-        [{**asdict(r), "ok": r.ok} for r in rows], indent=1))
+        [{**asdict(r), "ok": r.ok, "in_band": r.check.in_band} for r in rows], indent=1))
     return rows
+
+
+def _pooled(runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame], float | None]], warmup_s: float,
+            duration_s: float) -> Side:
+    """Seeds' simulated records, each cut where its emulated run stopped, as one ``Side``."""
+    parts = [_measure(*rec, cut, warmup_s, duration_s) for rec, cut in runs]
+    return Side(np.concatenate([p[0] for p in parts]), None, [c for _, c in runs],
+                sum(p[2] for p in parts))
 
 
 def _ratio(a: float, b: float) -> float:
@@ -411,6 +438,9 @@ def format_points(rows: list[PointComparison]) -> str:
             f"{c.p99_ms[0]:9.1f}/{c.p99_ms[1]:9.1f} {_ratio(*c.p99_ms):6.3f} "
             f"{c.work[0]:8d}/{c.work[1]:<8d} {_ratio(*c.work):6.3f} {c.seeds:5d} {spread:>11}  "
             f"{'ok' if r.ok else 'NO'}")
+        if c.band is not None:
+            lines.append(f"    {c.band.describe()}; the emulator "
+                         f"{'is inside it' if c.in_band else 'is outside it'}")
     lines.append(f"tolerances: mean {tm:.0%}, P99 {tp:.0%} (measured requests home by the cut), "
                  f"token-layers done by the cut {TOL_WORK:.0%} (where a run was cut); 'cut s': the "
                  f"emulated second at which the emulated run reached its drain cap (emu.max_drain_s), "

@@ -258,15 +258,23 @@ def agree_sweep(sweep: Path = typer.Argument(..., help="an emulated sweep's fold
                 seeds: int = typer.Option(1, min=1, max=100, help="pool at least this many seeds "
                                           "per point: the sweep's own, then further seeds run on "
                                           "the emulator under --out"),
+                sim_band: list[float] = typer.Option([], help="also run each "
+                                                     "point's simulated twins with this mean "
+                                                     "per-hop jitter, seconds (repeatable), and "
+                                                     "say whether the emulator lies in their range"),
                 quiet: bool = typer.Option(False, help="no progress bars")) -> None:
     """Every emulated point of a sweep against the simulator on its own resolved specs, cut
     where each emulated run stopped, its seeds pooled; non-zero exit when out of tolerance."""
-    from .agreement import format_points, sweep_agreement
+    from .agreement import band_error, format_points, sweep_agreement
     if not sweep.is_dir():
         _fail(f"sweep folder {sweep} does not exist")
         return
+    bad = band_error(sim_band)
+    if bad:
+        _fail(bad)
+        return
     out = out or sweep.parent.parent / f"agreement-{sweep.parent.name}-{sweep.name}"
-    rows = sweep_agreement(sweep, out, not quiet, seeds)
+    rows = sweep_agreement(sweep, out, not quiet, seeds, tuple(sim_band))
     if not rows:
         _fail(f"no complete emulated run under {sweep}")
         return

@@ -201,3 +201,36 @@ def test_sim_band_runs_jittered_twins_and_places_the_emulator_in_their_range(tmp
     assert not dataclasses.replace(off, mean_ms=(140.0, lo)).in_band
     assert "is outside it" in format_rows([dataclasses.replace(off, mean_ms=(140.0, lo))])
     assert dataclasses.replace(row, band=None).in_band is None
+
+
+def test_agree_sweep_sim_band_runs_each_seeds_jittered_twin_and_reuses_it(tmp_path, monkeypatch):
+    """``agree-sweep --sim-band``: every seed of a point gets a jittered twin beside its exact
+    one, the band spans the pooled exact and jittered twins, and a second call reuses them."""
+    import testbed.agreement as agreement
+    from testbed.agreement import format_points, sweep_agreement
+    point = tmp_path / "sweep" / "name=edgeshard"
+    for s in (0, 1):
+        _stand_in({**SPEC, "seed": s}, point / f"seed{s}")
+    with pytest.raises(ValueError, match="sim-band"):
+        sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False, band=(0.0,))
+    (row,) = sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False, band=(1e-4,))
+    twins = sorted(p.name for p in (tmp_path / "twins" / "name=edgeshard").iterdir()
+                   if not p.name.startswith("."))
+    assert twins == ["seed0", "seed0-jitter0.0001", "seed1", "seed1-jitter0.0001"]
+    b = row.check.band
+    from testbed.records import read_records
+    w = parse_spec(SPEC).workload
+    jit_mean = agreement._pooled([(read_records(tmp_path / "twins" / "name=edgeshard" /
+                                                f"seed{s}-jitter0.0001"), None) for s in (0, 1)],
+                                 w.warmup_s, w.duration_s).mean_ms
+    assert b.jitter_s == (0.0, 1e-4) and jit_mean > row.check.mean_ms[1]  # 100 us per hop: slower
+    assert b.mean_ms == pytest.approx((row.check.mean_ms[1], jit_mean))
+    assert b.work == (row.check.work[1], row.check.work[1])  # nothing cut: every token-layer done
+    assert row.ok and row.check.in_band
+    saved = json.loads((tmp_path / "twins" / "agreement.json").read_text())[0]
+    assert saved["in_band"] is True and saved["check"]["band"]["jitter_s"] == [0.0, 1e-4]
+    assert "100 us of mean hop jitter" in format_points([row]) and "is inside it" in format_points([row])
+    ran = []
+    monkeypatch.setattr(agreement, "run_experiment", lambda *a, **k: ran.append(a))
+    (again,) = sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=False, band=(1e-4,))
+    assert ran == [] and again.check.band == b
