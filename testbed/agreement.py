@@ -308,9 +308,14 @@ def compare_seeds(router: str, runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame
         n_all += n
         mean = lambda x: round(float(x.mean() * 1e3), 1) if x.size else float("nan")  # noqa: E731
         per_seed.append((k, mean(le), mean(ls), we, ws))
-    side = lambda parts, d: Side(np.concatenate([p[0] for p in parts]), d, cuts,  # noqa: E731
-                                 sum(p[1] for p in parts))
-    return n_all, _compare("emu/sim", router, side(emu, dilation), side(sim, None), len(runs)), per_seed
+    return n_all, _compare("emu/sim", router, _pool(emu, dilation, cuts), _pool(sim, None, cuts),
+                           len(runs)), per_seed
+
+
+def _pool(parts: list[tuple[np.ndarray, int]], dilation: float | None,
+          cuts: list[float | None]) -> Side:
+    """Seeds' (latencies, token-layers done) as one ``Side``."""
+    return Side(np.concatenate([p[0] for p in parts]), dilation, cuts, sum(p[1] for p in parts))
 
 
 def compare_point(router: str, emu: tuple[pd.DataFrame, pd.DataFrame],
@@ -402,8 +407,7 @@ def _pooled(runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame], float | None]], 
             duration_s: float) -> Side:
     """Seeds' simulated records, each cut where its emulated run stopped, as one ``Side``."""
     parts = [_measure(*rec, cut, warmup_s, duration_s) for rec, cut in runs]
-    return Side(np.concatenate([p[0] for p in parts]), None, [c for _, c in runs],
-                sum(p[2] for p in parts))
+    return _pool([(lat, work) for lat, _, work in parts], None, [c for _, c in runs])
 
 
 def _ratio(a: float, b: float) -> float:
