@@ -283,6 +283,56 @@ def agree_sweep(sweep: Path = typer.Argument(..., help="an emulated sweep's fold
         raise typer.Exit(1)
 
 
+@app.command("profile-decisions")
+def profile_decisions(
+        fig: list[int] = typer.Option([], help="a figure whose settings to profile (repeatable)"),
+        spec: list[Path] = typer.Option([], help="a figure spec file to profile (repeatable)"),
+        run_spec: list[Path] = typer.Option([], "--run", help="an experiment spec to profile "
+                                            "(repeatable)"),
+        scale: list[str] = typer.Option(["quick"], help="scales of the figures (repeatable)"),
+        backend: list[str] = typer.Option(["sim", "emu"], help="backends of the figures' "
+                                          "scales (repeatable; the emulator's scales may "
+                                          "differ)"),
+        profile: Path = typer.Option(None, help="the profile file (default: the one this "
+                                     "repository ships, testbed/decision_profile.json)"),
+        fresh: bool = typer.Option(False, help="time every setting again, not reusing this "
+                                   "host's cached timings"),
+        prune: bool = typer.Option(False, help="drop entries measured on another version of "
+                                   "the method's code"),
+        results: Path = typer.Option(Path("results"), help="results root (its .placements "
+                                     "cache is used)"),
+        quiet: bool = typer.Option(False)) -> None:
+    """Time the routing decision of every setting of figures or specs on this machine and
+    record them in the decision profile, which `engine.decision_s: calibrated` charges on
+    every machine (testbed/decision_profile.py). Run on a quiet machine."""
+    from topologies import TopologyError
+
+    from . import decision_profile as dp
+    from .setup import _code_version, resolve_inputs
+    from .sweep import expand, figure_path, load_figure
+    if not (fig or spec or run_spec):
+        _fail("nothing to profile: give --fig, --spec or --run")
+        return
+    try:
+        specs = [resolve_inputs(load_spec(str(p))) for p in run_spec]
+        for f in [load_figure(figure_path(n)) for n in fig] + [load_figure(p) for p in spec]:
+            for b in backend:
+                for sc in scale:
+                    if sc in f.scales:
+                        specs += [pt.spec for pt in expand(f, b, sc, results)]  # type: ignore[arg-type]
+        entries = dp.measure(specs, results / ".placements", fresh=fresh, progress=not quiet)
+    except (SpecError, TopologyError) as err:
+        _fail(str(err))
+        return
+    path = profile or dp.resolve("shipped")
+    dropped = dp.record(entries, path, drop_code=_code_version() if prune else None)
+    for key, e in entries.items():
+        typer.echo(f"{key}: {e['decision_s'] * 1e6:.0f} us ({e['router']}, {e['model']}, "
+                   f"{e['topology']}, seed {e['seed']})")
+    typer.echo(f"{len(entries)} settings recorded in {path} on {dp.host_cpu()}"
+               + (f"; {dropped} entries of other code dropped" if prune else ""))
+
+
 @app.command()
 def remetric(paths: list[Path] = typer.Argument(..., help="run folders, or folders holding "
                                                 "them (results/fig9, results/compare-hardware)"),

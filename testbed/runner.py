@@ -22,7 +22,7 @@ from .backends import run_backend
 from .metrics import compute_metrics, memory_use
 from .provenance import provenance, write_json_atomic
 from .records import RecordWriter, read_records
-from .setup import RunSetup, build_setup, check_spec, resolve_inputs
+from .setup import RunSetup, build_setup, check_spec, profiled_decision_s, resolve_inputs
 from .spec import ExperimentSpec, SpecError
 
 
@@ -48,7 +48,8 @@ def is_done(out_dir: Path, spec: ExperimentSpec) -> bool:
     searches and agreement checks skip). The spec's symbolic inputs are resolved first
     (``resolve_inputs``: ``quality.replay: auto`` and the like), as the run resolved them
     before writing ``spec.resolved.yaml``. A spec asking for ``decision_s: calibrated``
-    matches the run that resolved it to the number it charged."""
+    matches the run that resolved it to the number it charged, and, where the decision
+    profile holds the setting, only if that number is the profile's."""
     f = out_dir / "spec.resolved.yaml"
     if not (is_complete(out_dir) and f.exists()):
         return False
@@ -62,8 +63,15 @@ def is_done(out_dir: Path, spec: ExperimentSpec) -> bool:
     if spec.engine.decision_s != "calibrated":
         return False
     charged = json.loads((out_dir / "run.json").read_text()).get("decision_s_calibrated")
-    return charged is not None and \
-        on_disk == spec.with_overrides({"engine.decision_s": charged}).to_yaml()
+    if charged is None:
+        return False
+    try:
+        profiled = profiled_decision_s(spec)
+    except SpecError:
+        return False
+    if profiled is not None and profiled != charged:
+        return False  # timed on a host before the profile held it, or an older profile
+    return on_disk == spec.with_overrides({"engine.decision_s": charged}).to_yaml()
 
 
 #: a failed run's full traceback, beside its run.json (sweeps print its path)
@@ -119,6 +127,7 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
         (out_dir / "spec.resolved.yaml").write_text(
             spec.with_overrides({"engine.decision_s": setup.decision_s}).to_yaml())
         info["decision_s_calibrated"] = setup.decision_s
+        info["decision_s_source"] = setup.notes.get("decision_s_source")
     info["placement_s"] = round(setup.placement_s, 3)
     info["placement"] = setup.router.placement_report
     info["deployment"] = setup.deployment.summary(setup.shape)

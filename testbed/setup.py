@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import platform
+import sysconfig
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from workloads import (JsonlTrace, ModelSpec, Request, RequestShape, SyntheticTr
                        get_model)
 from workloads.quality_profile import ProfileError, load_profile
 
+from . import decision_profile as dprofile
 from .core import DECISION_REPEATS, DECISION_SAMPLES, calibrate_decision_s
 from .spec import ExperimentSpec, GeneratedTopology, SpecError
 
@@ -314,8 +316,13 @@ def _router_failed(name: str, stage: str, err: BaseException) -> SpecError:
 
 
 def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
-                placement_cache: Path | None = None, deployment_file: Path | None = None) -> RunSetup:
+                placement_cache: Path | None = None, deployment_file: Path | None = None,
+                decision_profile: Path | str | None = "shipped") -> RunSetup:
     """Build everything up to and including placement; raises SpecError on bad input.
+
+    Under ``engine.decision_s: calibrated`` the constant comes from ``decision_profile``
+    ("shipped": testbed/decision_profile.json; None: none) when it holds this setting (the
+    same number on every machine), else it is timed here.
 
     With ``placement_cache``, a deployment computed before for the same inputs
     (everything placement depends on, hashed) is reused instead of placed again.
@@ -388,8 +395,15 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
     notes: dict = {}
     decision_s = spec.engine.decision_s
     fresh = cached is not None and not cached.exists()
-    if decision_s == "calibrated":  # both backends charge the same constant
+    profiled = decision_profile_entry(spec, topo, cls, decision_profile) \
+        if decision_s == "calibrated" else None
+    if profiled is not None:  # measured once on a named CPU: the same charge everywhere
+        decision_s = float(profiled["decision_s"])
+        notes["decision_s_calibrated"] = decision_s
+        notes["decision_s_source"] = dprofile.source(profiled)
+    elif decision_s == "calibrated":  # both backends charge the same constant
         # timed once per placement and machine, then reused: a rerun is reproducible
+        notes["decision_s_source"] = dprofile.source(None)
         if (timed is None or timed.get("host") != platform.node()
                 or timed.get("method") != DECISION_METHOD):
             timed = {"host": platform.node(), "method": DECISION_METHOD,
@@ -407,9 +421,15 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
 
 
 def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path, cls: type[Router]) -> Path:
+    return root / f"{placement_key(spec, topo, cls)}.json"
+
+
+def placement_key(spec: ExperimentSpec, topo: TopologySpec, cls: type[Router]) -> str:
     """Placement depends on the topology, model, quality, memory, router (its spec and
     the source of every module its class comes from, so an out-of-tree router's edit is
-    seen), seed, window and the calibration-side workload fields, not on load or duration."""
+    seen), seed, window and the calibration-side workload fields, not on load or duration.
+    The key names the placement cache's entry and the decision profile's
+    (testbed/decision_profile.py); it is the same on every machine."""
     w = spec.workload
     key = {
         "topology": topo.model_dump(mode="json"), "model": w.model, "top_k": w.top_k,
@@ -422,7 +442,26 @@ def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path, cls: type[
         "router_code": _router_code(cls),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    return root / f"{spec.router.name.replace(':', '_')}-{digest}.json"
+    return f"{spec.router.name.replace(':', '_')}-{digest}"
+
+
+def decision_profile_entry(spec: ExperimentSpec, topo: TopologySpec, cls: type[Router],
+                           path: Path | str | None = "shipped") -> dict | None:
+    """The profile's entry for this setting (None: not profiled, or no profile)."""
+    path = dprofile.resolve(path)
+    return None if path is None else dprofile.lookup(placement_key(spec, topo, cls), path)
+
+
+def profiled_decision_s(spec: ExperimentSpec, base_dir: Path | None = None,
+                        path: Path | str | None = "shipped") -> float | None:
+    """What a run of ``spec`` would charge from the profile under ``decision_s:
+    calibrated`` (None: it would be timed on the host). For ``runner.is_done``."""
+    path = dprofile.resolve(path)
+    if spec.engine.decision_s != "calibrated" or path is None or not path.is_file():
+        return None
+    checked = check_spec(spec, base_dir)
+    e = decision_profile_entry(checked.spec, checked.topology, checked.router_cls, path)
+    return None if e is None else float(e["decision_s"])
 
 
 def _digest(path: str) -> str:
@@ -430,17 +469,28 @@ def _digest(path: str) -> str:
 
 
 def _router_code(cls: type[Router]) -> str:
-    """Hash of the source files of the router class and its bases outside this repository's
-    hashed packages (an out-of-tree router and whatever it subclasses)."""
+    """Hash of the source files of the router class and its bases (an out-of-tree router
+    and whatever it subclasses), leaving out Python's standard library (``abc.py``), which
+    differs between Python builds and would make the key differ between machines."""
     h = hashlib.sha256()
+    for src in router_sources(cls):
+        h.update(src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def router_sources(cls: type[Router]) -> list[Path]:
+    """The files ``_router_code`` hashes."""
+    stdlib = {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib")}
+    out = []
     for klass in cls.__mro__:
         try:
             src = inspect.getsourcefile(klass)
         except TypeError:  # builtins
             continue
-        if src and Path(src).is_file():
-            h.update(Path(src).read_bytes())
-    return h.hexdigest()[:16]
+        if src and Path(src).is_file() and not any(d in Path(src).resolve().parents
+                                                     for d in stdlib):
+            out.append(Path(src))
+    return out
 
 
 def _code_version() -> str:

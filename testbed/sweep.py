@@ -31,7 +31,7 @@ from topologies.schema import InputFileError, one_line, read_yaml
 
 from .lifecycle import die_with_parent, sigterm_as_interrupt
 from .runner import is_done, run_experiment
-from .setup import resolve_inputs
+from .setup import profiled_decision_s, resolve_inputs
 from .spec import ExperimentSpec, SpecError, parse_spec
 
 Scale = Literal["smoke", "quick", "full"]
@@ -150,6 +150,17 @@ def expand(fig: FigureSpec, backend: str, scale: Scale, results: Path,
     return out
 
 
+def unprofiled(points: list[Point]) -> int:
+    """How many of ``points`` will time their decision constant on this host, because
+    the decision profile does not hold their setting (testbed/decision_profile.py)."""
+    def timed_here(p: Point) -> bool:
+        try:
+            return profiled_decision_s(p.spec) is None
+        except SpecError:  # it will fail as a point, with its own message
+            return False
+    return sum(p.spec.engine.decision_s == "calibrated" and timed_here(p) for p in points)
+
+
 def done(p: Point) -> bool:
     """A complete run of exactly this resolved spec exists."""
     return is_done(p.out_dir, p.spec)
@@ -223,9 +234,14 @@ def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: 
         summary = {"figure": fig.figure, "backend": backend, "scale": scale, "physics": physics,
                    "points": len(points),
                    "skipped": len(points) - len(todo), "estimate_s": round(est)}
+        summary["decision_timed_here"] = timed_here = unprofiled(todo)
         if progress:
             print(f"fig{fig.figure} [{backend}/{scale}/{physics}]: {len(points)} runs, "
                   f"{summary['skipped']} already done, estimated {_hms(est)} for the rest")
+            if timed_here:
+                print(f"  {timed_here} of them charge a decision time timed on this host (not "
+                      f"in the decision profile; `python -m testbed profile-decisions "
+                      f"--fig {fig.figure}` records them)")
         if dry_run:
             return summary | {"wall_s": 0.0, "failed": []}
         cache = results / ".placements"
