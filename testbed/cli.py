@@ -297,6 +297,9 @@ def profile_decisions(
                                      "repository ships, testbed/decision_profile.json)"),
         fresh: bool = typer.Option(False, help="time every setting again, not reusing this "
                                    "host's cached timings"),
+        rounds: int = typer.Option(3, min=1, max=20, help="passes over all settings; each "
+                                   "setting's median is recorded (its timings minutes apart, "
+                                   "so one slow minute of a shared VM does not decide it)"),
         prune: bool = typer.Option(False, help="drop entries measured on another version of "
                                    "the method's code"),
         results: Path = typer.Option(Path("results"), help="results root (its .placements "
@@ -320,15 +323,18 @@ def profile_decisions(
                 for sc in scale:
                     if sc in f.scales:
                         specs += [pt.spec for pt in expand(f, b, sc, results)]  # type: ignore[arg-type]
-        entries = dp.measure(specs, results / ".placements", fresh=fresh, progress=not quiet)
+        entries = dp.measure(specs, results / ".placements", fresh=fresh, progress=not quiet,
+                             rounds=rounds)
     except (SpecError, TopologyError) as err:
         _fail(str(err))
         return
     path = profile or dp.resolve("shipped")
     dropped = dp.record(entries, path, drop_code=_code_version() if prune else None)
     for key, e in entries.items():
-        typer.echo(f"{key}: {e['decision_s'] * 1e6:.0f} us ({e['router']}, {e['model']}, "
-                   f"{e['topology']}, seed {e['seed']})")
+        spread = (f" (rounds: {', '.join(f'{x:g}' for x in e['rounds_us'])})"
+                  if "rounds_us" in e else "")
+        typer.echo(f"{key}: {e['decision_s'] * 1e6:.0f} us{spread} ({e['router']}, "
+                   f"{e['model']}, {e['topology']}, seed {e['seed']})")
     typer.echo(f"{len(entries)} settings recorded in {path} on {dp.host_cpu()}"
                + (f"; {dropped} entries of other code dropped" if prune else ""))
 

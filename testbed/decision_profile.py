@@ -11,9 +11,11 @@ the same on any machine. A setting the profile does not hold is timed on the hos
 run says so (``run.json``: ``decision_s_source``).
 
 Entries are keyed by the placement cache's key (``setup.placement_key``: topology, model,
-quality, memory, router and its parameters, seed, calibration workload and a hash of the
-method's code), so a change to the method's code is never charged an older code's time: its
-settings are timed again until the profile is re-recorded.
+quality, memory, router and its parameters with their defaults filled in, seed, calibration
+workload and a hash of the method's code), so a change to the method's code is never
+charged an older code's time: its settings are timed again until the profile is
+re-recorded. A recording times every setting in several passes over all of them and keeps
+each setting's median (``measure(rounds=...)``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
 #: the profile this repository ships (measured on the CPU each entry names)
@@ -97,27 +100,37 @@ def source(e: dict | None) -> str:
 
 
 def measure(specs: list, placement_cache: Path | None, fresh: bool = False,
-            progress: bool = True) -> dict[str, dict]:
+            progress: bool = True, rounds: int = 1) -> dict[str, dict]:
     """Time the decision constant of every distinct setting among ``specs`` on this host
     (``core.calibrate_decision_s``: each of 256 calibration decisions' fastest of five
     passes, the median) and return them as profile entries. Placements come from (and go
     to) ``placement_cache``; a timing already stored there for this host and method is
-    reused unless ``fresh``. Run it on a quiet machine: a shared core slows decisions."""
+    reused unless ``fresh``. Run it on a quiet machine: a shared core slows decisions.
+
+    ``rounds`` > 1 times every setting again in further passes over all of them, so a
+    setting's timings lie minutes apart, and records their median (``rounds_us`` keeps
+    each): one timing drifts with this VM by about a third within minutes (README,
+    "The decision profile"), and a pass over all settings spreads that drift over them
+    instead of handing it to whichever setting was timed in a slow minute."""
     from tqdm import tqdm
 
     from .core import calibrate_decision_s
     from .setup import (DECISION_METHOD, _code_version, build_setup, check_spec,
                         placement_key, save_deployment)
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, not {rounds}")
     todo: dict[str, object] = {}
     for s in specs:
         if s.engine.decision_s != "calibrated":
             continue
         checked = check_spec(s)
         todo.setdefault(placement_key(checked.spec, checked.topology, checked.router_cls), s)
-    out: dict[str, dict] = {}
-    code = _code_version()
+    timed: dict[str, list[float]] = {}
+    routers, what = {}, {}
     for key, s in tqdm(todo.items(), desc="decisions", unit="setting", disable=not progress):
-        setup = build_setup(s, placement_cache=placement_cache, decision_profile=None)
+        # fresh: the set-up need not time the setting too (a fixed constant skips that)
+        setup = build_setup(s.with_overrides({"engine.decision_s": 0.0}) if fresh else s,
+                            placement_cache=placement_cache, decision_profile=None)
         d = setup.decision_s
         if fresh:
             d = calibrate_decision_s(setup.router)
@@ -126,7 +139,19 @@ def measure(specs: list, placement_cache: Path | None, fresh: bool = False,
                                 setup.router.placement_report,
                                 {"host": platform.node(), "method": DECISION_METHOD,
                                  "decision_s": d})
-        out[key] = entry(d, DECISION_METHOD, code,
-                         {"router": s.router.name, "model": s.workload.model,
-                          "topology": setup.topology.name, "seed": s.seed})
+        timed[key] = [d]
+        what[key] = {"router": s.router.name, "model": s.workload.model,
+                     "topology": setup.topology.name, "seed": s.seed}
+        if rounds > 1:
+            routers[key] = setup.router  # only the router: a setup holds its whole workload
+    for r in range(1, rounds):
+        for key in tqdm(todo, desc=f"decisions, round {r + 1} of {rounds}", unit="setting",
+                        disable=not progress):
+            timed[key].append(calibrate_decision_s(routers[key]))
+    code = _code_version()
+    method = DECISION_METHOD if rounds == 1 else f"{DECISION_METHOD}, median of {rounds} rounds"
+    out: dict[str, dict] = {}
+    for key, ds in timed.items():
+        extra = {} if rounds == 1 else {"rounds_us": [round(d * 1e6, 1) for d in ds]}
+        out[key] = entry(round(statistics.median(ds), 6), method, code, {**what[key], **extra})
     return out

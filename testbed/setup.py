@@ -429,12 +429,15 @@ def placement_key(spec: ExperimentSpec, topo: TopologySpec, cls: type[Router]) -
     the source of every module its class comes from, so an out-of-tree router's edit is
     seen), seed, window and the calibration-side workload fields, not on load or duration.
     The key names the placement cache's entry and the decision profile's
-    (testbed/decision_profile.py); it is the same on every machine."""
+    (testbed/decision_profile.py); it is the same on every machine, and the same however
+    a setting is spelled: a default written out (``top_k: 2`` for Mixtral,
+    ``memory_ratio: 2.0``) is the default left out (``canonical_router``)."""
     w = spec.workload
     key = {
-        "topology": topo.model_dump(mode="json"), "model": w.model, "top_k": w.top_k,
+        "topology": topo.model_dump(mode="json"), "model": w.model,
+        "top_k": w.top_k or get_model(w.model).top_k,
         "quality": spec.quality.model_dump(mode="json"), "memory": spec.memory.model_dump(mode="json"),
-        "router": spec.router.model_dump(mode="json"), "seed": spec.seed, "window": spec.window_s,
+        "router": canonical_router(spec, cls), "seed": spec.seed, "window": spec.window_s,
         "calib": [w.trace, w.trace_params, w.calibration_tokens, w.users, w.zipf_s, w.prompt_tokens,
                   w.tasks, w.task_concentration, w.task_mix, w.task_specificity],
         "inputs": [_digest(p) for p in (spec.quality.profile, w.trace) if Path(p).is_file()],
@@ -443,6 +446,15 @@ def placement_key(spec: ExperimentSpec, topo: TopologySpec, cls: type[Router]) -
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return f"{spec.router.name.replace(':', '_')}-{digest}"
+
+
+def canonical_router(spec: ExperimentSpec, cls: type[Router]) -> dict:
+    """The router's name and every parameter with its default filled in: one setting,
+    one key. Until 2026-11-28 the key held the parameters as written, so Fig. 6's
+    ``memory_ratio: 2.0`` and Fig. 2's HetRoute (the same setting) were timed as two
+    settings."""
+    return {"name": spec.router.name,
+            "params": cls.Params.model_validate(spec.router.params).model_dump(mode="json")}
 
 
 def decision_profile_entry(spec: ExperimentSpec, topo: TopologySpec, cls: type[Router],

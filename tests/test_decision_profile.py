@@ -84,6 +84,49 @@ def test_measure_times_each_distinct_setting_once():
     assert e["code"] == setup_mod._code_version() and e["cpu"] == dp.host_cpu()
 
 
+def test_a_setting_spelled_with_its_defaults_is_one_setting():
+    """Fig. 6's ``memory_ratio: 2.0`` and Fig. 5's ``top_k: 2`` are Fig. 2's HetRoute on
+    Mixtral: one key, so one placement and one charged constant; another value is another
+    setting."""
+    base = parse_spec({**TINY, "workload": {**TINY["workload"], "model": "mixtral-8x7b"}})
+    hr = get_router("hetroute").Params()
+    same = [base.with_overrides({"router.params.memory_ratio": hr.memory_ratio}),
+            base.with_overrides({"workload.top_k": 2}),
+            base.with_overrides({"router.params": {"beam_width": hr.beam_width,
+                                                   "lambda_q": hr.lambda_q}})]
+    assert {_key(s) for s in same} == {_key(base)}
+    other = [base.with_overrides({"router.params.memory_ratio": hr.memory_ratio + 1}),
+             base.with_overrides({"workload.top_k": 1}),
+             base.with_overrides({"router.name": "edgeshard"})]
+    assert len({_key(s) for s in other} | {_key(base)}) == 4
+    es = base.with_overrides({"router.name": "edgeshard"})
+    spelled = es.with_overrides({"router.params": get_router("edgeshard").Params().model_dump()})
+    assert _key(spelled) == _key(es)
+
+
+def test_rounds_record_the_median_of_timings_made_in_passes_over_all_settings(monkeypatch):
+    """With rounds, every setting is timed once per pass over all of them (so its timings
+    lie apart), and the entry holds their median and each of them."""
+    import testbed.core as core_mod
+    spec = parse_spec(TINY)
+    specs = [spec, spec.with_overrides({"seed": 1})]
+    a, b = _key(specs[0]), _key(specs[1])
+    draws = iter([4e-6, 9e-6, 6e-6, 5e-6, 5e-6, 30e-6])  # pass 1: a, b; pass 2: a, b; ...
+    calls = []
+
+    def fake(router, *args, **kwargs):
+        calls.append(router)
+        return next(draws)
+    monkeypatch.setattr(core_mod, "calibrate_decision_s", fake)
+    got = dp.measure(specs, None, fresh=True, progress=False, rounds=3)
+    assert len(calls) == 6
+    assert got[a]["rounds_us"] == [4.0, 6.0, 5.0] and got[a]["decision_s"] == 5e-6
+    assert got[b]["rounds_us"] == [9.0, 5.0, 30.0] and got[b]["decision_s"] == 9e-6
+    assert got[a]["method"].endswith("median of 3 rounds")
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        dp.measure(specs, None, progress=False, rounds=0)
+
+
 @pytest.mark.parametrize("name", sorted(available()))
 def test_the_key_hashes_no_file_outside_the_method_and_its_router(name):
     """Python's own abc.py differs between builds: hashed, it would make the key, and so
@@ -105,3 +148,4 @@ def test_profile_decisions_command_records_settings_and_refuses_no_input(tmp_pat
     assert "1 settings recorded" in ok.stdout
     (key, e), = dp.load(prof).items()
     assert key == _key(parse_spec(TINY)) and e["decision_s"] > 0
+    assert len(e["rounds_us"]) == 3 and "median of 3 rounds" in e["method"]  # the default
