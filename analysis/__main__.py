@@ -1,4 +1,5 @@
-"""``python -m analysis figure --fig N --backend B --scale S``, ``figures``, ``report``."""
+"""``python -m analysis figure --fig N --backend B --scale S``, ``figures``, ``report``,
+``compare-steps``."""
 
 from __future__ import annotations
 
@@ -55,6 +56,24 @@ def figures(results: Path = typer.Option(Path("results")),
 def report(out: Path = typer.Option(Path("figures"))) -> None:
     """Write figures/REPORT.md: every figure and the paper-vs-measured claims."""
     typer.echo(f"written: {build_report(out)}")
+
+
+@app.command("compare-steps")
+def compare_steps(run_a: Path = typer.Argument(..., help="a run folder written with --trace-steps"),
+                  run_b: Path = typer.Argument(..., help="another run of the same spec (e.g. its "
+                                               "simulated twin), also with --trace-steps"),
+                  until: float = typer.Option(None, help="model seconds: compare the steps that "
+                                              "started by then (default: a time both runs reached)")
+                  ) -> None:
+    """Line two runs' steps up server by server: where their schedules part, and what each
+    server ran (steps, tokens, busy time) up to a time both reached."""
+    from .steps_diff import compare_runs, format_diffs
+    try:
+        horizon, diffs = compare_runs(run_a, run_b, until)
+    except (ValueError, OSError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(format_diffs(horizon, diffs, (run_a.name, run_b.name)))
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ def run(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
         set_: list[str] = typer.Option([], "--set", help="override, e.g. workload.rate_per_s=80"),
         out: Path | None = typer.Option(None, help="results folder (default results/runs/NAME)"),
         quiet: bool = typer.Option(False, help="no progress bar"),
-        trace_steps: bool = typer.Option(False, help="simulator: also write each step's "
-                                         "composition to steps/ (for `hardware replay-steps`)")
+        trace_steps: bool = typer.Option(False, help="also write each step's composition to "
+                                         "steps/ (for `hardware replay-steps` and `python -m "
+                                         "analysis compare-steps`; on the emulator each worker's)")
         ) -> None:
     """Run one experiment, write its results folder and print its metrics."""
     from topologies import TopologyError

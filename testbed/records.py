@@ -43,9 +43,10 @@ REQUEST_COLUMNS = (
     # decode timing (testbed/progress.py): the prompt's last token home, each generated token home
     ("first_s", pa.float64()), ("gen_done_s", pa.list_(pa.float64())),
 )
-#: One row per step of a server's stream (``run --trace-steps``, the simulator): what the
+#: One row per step of a server's stream (``run --trace-steps``, either backend): what the
 #: step rule charged and what it was made of, so ``hardware replay-steps`` can run the same
-#: step as real kernels. Replicas in order of first appearance, with their precision code
+#: step as real kernels and ``python -m analysis compare-steps`` can line two runs up.
+#: Replicas in order of first appearance, with their precision code
 #: (``hetroute.system.Precision``), token count and tier (True: GPU-resident); the dense
 #: part as one (request, position) pair per token.
 STEP_COLUMNS = (

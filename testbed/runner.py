@@ -83,10 +83,10 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
                    placement_cache: Path | None = None, trace_steps: bool = False) -> RunResult:
     """Run one spec; writes ``out_dir`` (run.json says running, then complete, failed or
     interrupted). Bad input raises ``SpecError`` before anything is written. ``trace_steps``
-    (simulator only) also writes every step's composition to ``steps/``."""
+    also writes every step's composition to ``steps/`` (the emulator's workers each write
+    their own stream's, model-time starts; ``python -m testbed compare-steps`` lines two
+    runs' up)."""
     spec = check_spec(spec, base_dir).spec  # one line for bad input, before any folder exists
-    if trace_steps and spec.backend != "sim":
-        raise SpecError("--trace-steps: only the simulator traces its steps (backend: sim)")
     info = provenance(spec.seed, spec.backend)
     info["name"] = spec.name
     info["status"] = "running"

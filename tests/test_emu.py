@@ -53,12 +53,12 @@ def _clean_machine():
     assert not any(left.values()), f"the run left behind {left}"
 
 
-def _run(tmp_path: Path, **over):
+def _run(tmp_path: Path, trace_steps: bool = False, **over):
     from testbed.runner import run_experiment
     from testbed.setup import build_setup
     from testbed.spec import parse_spec
     spec = parse_spec({**SPEC, **over})
-    res = run_experiment(spec, tmp_path / "run", progress=False)
+    res = run_experiment(spec, tmp_path / "run", progress=False, trace_steps=trace_steps)
     from testbed.records import read_records
     tl, rq = read_records(tmp_path / "run")
     return spec, res, tl, rq, len(build_setup(spec).requests)
@@ -86,8 +86,9 @@ def test_small3_smoke_run_completes_with_fidelity_table(tmp_path: Path) -> None:
     assert not [f for f in fid["flags"] if not any(h in f for h in host_load)], fid["flags"]
     workers = fid["detail"]["workers"]
     assert all("release_late_p99_ms" in w for w in workers)
-    # every worker loaded the TCP window's kernel before its run, not at its first message
-    assert all(w["tcp_warmup_ms"] > 0 for w in workers)
+    # every worker loaded the TCP window's kernel before its run, not at its first message,
+    # and routed every request through the trace before it (not at its first decision)
+    assert all(w["tcp_warmup_ms"] > 0 and w["routing_warmup_ms"] > 0 for w in workers)
     # jobs that reached their stream after the step they had arrived for are counted
     assert all(w["jobs_missed_step"] >= 0 and "missed_late_ms_p99" in w for w in workers)
     assert sum(w["handler_errors"] for w in workers) == 0
@@ -126,8 +127,17 @@ def test_a_pipeline_hand_off_is_one_message_on_the_wire(tmp_path: Path) -> None:
     import json
 
     from testbed.records import flat
-    spec, res, tl, rq, n = _run(tmp_path, topology=_tight3(tmp_path), router={"name": "edgeshard"})
+    spec, res, tl, rq, n = _run(tmp_path, trace_steps=True, topology=_tight3(tmp_path),
+                                router={"name": "edgeshard"})
     assert len(rq) == n and (rq.status == "ok").all(), rq[rq.status != "ok"].reason.tolist()
+    # ``--trace-steps`` on the emulator: each worker's stream wrote every step it ran
+    from testbed.records import read_steps
+    steps = read_steps(tmp_path / "run")
+    ran = {w["rank"]: w["batches"] for w in
+           json.loads((tmp_path / "run" / "fidelity.json").read_text())["detail"]["workers"]}
+    assert steps.groupby("server").size().to_dict() == {r: b for r, b in ran.items() if b}
+    assert (steps.model_s > 0).all()  # model-time starts, in the order each stream ran them
+    assert all(g.t_start.is_monotonic_increasing for _, g in steps.groupby("server"))
     hops = tl[tl.server != tl.next_server]
     # stage to stage: the layer's experts run where the token is, and the next stage sums it
     assert (flat(hops.exec_server) == hops.server.to_numpy()).mean() > 0.3

@@ -80,7 +80,9 @@ class EmuBackend:
                        "rendezvous": [net.addr(rank, 0) if rank else net.addr(1, 0), STORE_PORT],
                        "listen": {str(p): net.addr(p, rank) for p in range(cl.n) if p != rank},
                        "delays_in": [delays[src][rank] for src in range(cl.n)], "dilation": T,
-                       "expert_d_model": spec.emu.expert_d_model, "faults": bool(spec.faults)}
+                       "expert_d_model": spec.emu.expert_d_model, "faults": bool(spec.faults),
+                       # ``run --trace-steps``: each worker writes its stream's steps
+                       "trace_steps": self.writer.st is not None}
                 path = wdir / f"w{rank}.config.json"
                 path.write_text(json.dumps(cfg))
                 log = open(wdir / f"w{rank}.log", "w")

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..steps import DENSE, Job, StepScheduler
+from ..steps import DENSE, Job, Step, StepScheduler
 
 Kernel = Callable[[int, torch.Tensor], torch.Tensor]  # (replica, [B, d]) -> [B, d]
 
@@ -76,8 +76,11 @@ class ModeledStream:
     def __init__(self, loop: asyncio.AbstractEventLoop, dilation: float, scheduler: StepScheduler,
                  kernel: Kernel, on_done: Callable[[Job], None], now: Callable[[], float],
                  wall: Callable[[float], float], log: Callable[[str], None] = lambda s: None,
-                 on_step_done: Callable[[], None] | None = None) -> None:
+                 on_step_done: Callable[[], None] | None = None,
+                 on_step: Callable[[Step], None] | None = None) -> None:
         self.loop, self.T = loop, float(dilation)
+        #: called with every step as it starts (``run --trace-steps``), as the simulator's
+        self.on_step = on_step
         #: called once a step's jobs are all released (``released_at`` still set): what the
         #: step released together leaves together (``engine.dispatch: step``)
         self.on_step_done = on_step_done
@@ -140,6 +143,8 @@ class ModeledStream:
             return
         start = max(start, ready)
         step = sc.take(start, arrived_by=max(arrived_by, start))
+        if self.on_step is not None:
+            self.on_step(step)
         self._step_start = start
         self._step_key = step.layer if sc.scope == "layer" else step.jobs[0].replica
         self._step_prio = step.jobs[0].prio  # (a layer's step is in request order: ``take``)

@@ -43,7 +43,7 @@ from ..lifecycle import die_with_parent
 from ..records import RecordWriter
 from ..setup import build_setup
 from ..spec import parse_spec
-from ..steps import StepScheduler
+from ..steps import StepScheduler, step_row
 from ..tcp import hold_clocks, warm_up
 from .experts import ExpertBank, ExpertSpec
 from .node.aggregation import Aggregation
@@ -77,6 +77,7 @@ class WorkerConfig:
     layer_timeout_s: float = 2.0  # emulated seconds before a stuck layer is re-routed
     request_timeout_s: float = 30.0  # emulated seconds before a home request fails
     secret: str = ""  # hex run secret that authenticates peers; "" takes rank 0's from the store
+    trace_steps: bool = False  # ``run --trace-steps``: every step's composition to steps/
 
     @classmethod
     def load(cls, path: str) -> "WorkerConfig":
@@ -133,7 +134,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                       if spec.tcp_windows and any(cfg.delays_in)
                       else None)
         self.view = StateView(self.N)
-        self.writer = RecordWriter(Path(cfg.run_dir), self.k, part_prefix=f"w{self.rank}-")
+        self.writer = RecordWriter(Path(cfg.run_dir), self.k, part_prefix=f"w{self.rank}-",
+                                   trace_steps=cfg.trace_steps)
         self.stats = {"frames_out": 0, "token_layers": 0, "retries": 0, "failed_tokens": 0,
                       "resolved_unacked": 0, "fails_relayed": 0, "feedback_unmatched": 0,
                       "handler_errors": 0}
@@ -165,9 +167,12 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                               max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
                               on_execute=self.residency.on_execute,
                               moe_kernels=eng.moe_kernels)
+        trace = self.writer.step if self.writer.st is not None else None
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
                                     self.wall, self._log,
-                                    self._flush_step if self.step_dispatch else None)
+                                    self._flush_step if self.step_dispatch else None,
+                                    on_step=None if trace is None else
+                                    (lambda step: trace(step_row(self.rank, step, prec.__getitem__))))
         if self.cfg.rendezvous is not None:  # peers from the store, not from the config
             host, port = self.cfg.rendezvous
             peers, self._store, secret = await loop.run_in_executor(
@@ -183,6 +188,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up
         self.router_warmup_s = warm_router(self.setup.router, self.setup.shape.n_layers)
+        self.routing_warmup_s = self._warm_routing()  # every request's trace routing, ahead
         # the window's compiled kernel too: its first load held the first message back
         self.tcp_warmup_s = warm_up(self.spec.net.params()) if self.holds is not None else 0.0
         print("READY", flush=True)
@@ -256,6 +262,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 if st.missed_late else 0.0,
                 "decisions": len(self.decision_cpu),
                 "router_warmup_ms": getattr(self, "router_warmup_s", 0.0) * 1e3,
+                "routing_warmup_ms": getattr(self, "routing_warmup_s", 0.0) * 1e3,
                 "tcp_warmup_ms": getattr(self, "tcp_warmup_s", 0.0) * 1e3,
                 "decision_cpu_us_mean": float(np.mean(self.decision_cpu) * 1e6) if self.decision_cpu else 0.0,
                 "decision_cpu_us_p99": float(np.percentile(self.decision_cpu, 99) * 1e6)
