@@ -84,7 +84,7 @@ def run_experiment(spec: ExperimentSpec, out_dir: Path | None = None, progress: 
     """Run one spec; writes ``out_dir`` (run.json says running, then complete, failed or
     interrupted). Bad input raises ``SpecError`` before anything is written. ``trace_steps``
     also writes every step's composition to ``steps/`` (the emulator's workers each write
-    their own stream's, model-time starts; ``python -m testbed compare-steps`` lines two
+    their own stream's, model-time starts; ``python -m analysis compare-steps`` lines two
     runs' up)."""
     spec = check_spec(spec, base_dir).spec  # one line for bad input, before any folder exists
     info = provenance(spec.seed, spec.backend)
