@@ -126,3 +126,41 @@ def test_workers_with_different_secrets_do_not_connect():
         for t in pair.t:
             t.close()
     _run(main())
+
+
+def test_frames_sent_corked_leave_in_one_write_and_arrive_whole_in_order():
+    """A step's frames to one peer go out as one write (``Transport.corked``); outside a
+    corked block each frame is one write, where it used to be three."""
+    import torch
+
+    from testbed.emu.wire import Hidden, Pick, sized_frame
+
+    def hidden(i: int) -> Frame:
+        m = Hidden(1, i, 0, 0, 0, 0, 1, 0, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(0, 0, 0),), ())
+        return sized_frame(m, torch.full((8,), float(i)), 300)
+
+    async def main():
+        pair = Pair()
+        await pair.start()
+        tr = pair.t[1].out[0]
+        writes = []
+        real = tr.write
+        tr.write = lambda data: (writes.append(len(data)), real(data))[1]
+        with pair.t[1].corked():
+            with pair.t[1].corked():  # nested: the outermost block writes
+                for i in range(3):
+                    pair.t[1].send(0, hidden(i))
+            assert writes == [] and pair.t[1].is_corked
+            for i in range(3, 5):
+                pair.t[1].send(0, hidden(i))
+            assert writes == []
+        assert writes == [5 * 300] and not pair.t[1].is_corked
+        pair.t[1].send(0, hidden(5))
+        assert writes == [5 * 300, 300]
+        await _until(lambda: len(pair.got[0]) == 6)
+        assert [f.msg.request for f in pair.got[0]] == list(range(6))
+        assert [f.tensor()[0].item() for f in pair.got[0]] == [float(i) for i in range(6)]
+        assert pair.t[1].sent_frames[0] == 6 and pair.t[0].received_frames[1] == 6
+        for t in pair.t:
+            t.close()
+    _run(main())

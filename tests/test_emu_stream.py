@@ -327,8 +327,11 @@ def test_a_decision_is_charged_as_the_simulator_charges_it(charge, expected):
         def wall(self, t):
             return self.t0 + t * self.T
 
+        def _outgoing(self, *a):  # the frames, built while the decision's charge runs
+            return "frames"
+
         def _dispatch(self, *a):
-            dispatched.append(a[-1])
+            dispatched.append(a[7])  # t_disp
 
     node = Node()
     node.loop = precise_loop()

@@ -126,6 +126,41 @@ def test_valid_frames_round_trip_exactly_in_any_chunking(frames: list[Frame], cu
             assert bytes(w.tensor_bytes(x)) == bytes(w.tensor_bytes(y))  # bitwise, NaNs included
 
 
+@st.composite
+def _sized(draw: st.DrawFn) -> tuple[Frame, int]:
+    m = draw(st.one_of(hidden_msgs(), partial_msgs(), token_msgs))
+    t = draw(_tensor())
+    total = draw(st.integers(0, ENVELOPE_SIZE + 400 + t.numel() * t.element_size()))
+    return w.sized_frame(m, t, total), total
+
+
+@settings(max_examples=150, deadline=None)
+@given(got=_sized(), group=_u32, group_n=_u16, hold=st.floats(0, w.MAX_HOLD_S))
+def test_a_prepared_head_is_the_head_the_message_encodes_to(got, group: int, group_n: int,
+                                                            hold: float) -> None:
+    """Senders build a frame's head once and patch per-destination fields into it (routing,
+    ``engine.dispatch: step``): the bytes must be those a fresh encoding of the patched
+    message gives, and decode to it; the frame fills ``total`` bytes where it fits."""
+    f, total = got
+    assert f.head == w.encode_header(f)
+    whole = len(f.head) + len(f.payload) + f.pad_len
+    assert whole == max(total, len(f.head) + len(f.payload))
+    p = w.patched(f, group=group, group_n=group_n) if not isinstance(f.msg, Token) else f
+    p = w.patched(p, hold_s=hold)
+    assert p.head == w.encode_header(p) and p.msg.hold_s == hold
+    data = p.head + bytes(p.payload) + bytes(p.pad_len)
+    assert w.decode(data).same_as(p)
+
+
+def test_a_patched_field_out_of_range_is_a_wire_error() -> None:
+    f = w.sized_frame(Hidden(0, 0, 0, 0, 0, 0, 0, 0, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(0, 0, 0),), ()),
+                      torch.zeros(4), 200)
+    with pytest.raises(WireError, match="hold_s"):
+        w.patched(f, hold_s=-1.0)
+    with pytest.raises(WireError, match="out of range"):
+        w.patched(f, group_n=1 << 16)
+
+
 @pytest.mark.parametrize("kind", sorted(_BY_TYPE))
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())

@@ -29,12 +29,13 @@ Malformed, truncated or oversized frames close that connection only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import hmac
 import os
 import selectors
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from .wire import (DEFAULT_MAX_PAYLOAD, NONCE_BYTES, Auth, Challenge, Frame, FrameDecoder, Pong,
                    WireError, auth_mac, encode_header)
@@ -55,6 +56,14 @@ def precise_loop() -> asyncio.AbstractEventLoop:
     except (OSError, AttributeError):
         pass
     return asyncio.SelectorEventLoop(selectors.SelectSelector())
+
+
+_ZEROS = bytes(1 << 16)
+
+
+def _zeros(n: int) -> bytes | memoryview:
+    """``n`` zero bytes (padding) without allocating them each time."""
+    return memoryview(_ZEROS)[:n] if n <= len(_ZEROS) else bytes(n)
 
 
 class _Inbound(asyncio.Protocol):
@@ -154,6 +163,8 @@ class Transport:
         self.received_frames: dict[int, int] = {p: 0 for p in peers}  # per proven source
         self.frames_in = 0
         self.late_deliveries = 0.0  # summed lateness of delayed deliveries (s)
+        self._corked = 0  # depth of ``corked`` blocks
+        self._pending: dict[asyncio.Transport, list] = {}  # what they hold, per connection
 
     async def start(self, deadline_s: float = 30.0) -> None:
         loop = asyncio.get_running_loop()
@@ -178,16 +189,42 @@ class Transport:
             self.out[peer] = tr
 
     def _write(self, tr: asyncio.Transport, frame: Frame) -> int:
-        head = encode_header(frame, self.max_payload)
-        n = len(head)
-        tr.write(head)
+        """One write per frame, or none while corked: an asyncio transport makes a system
+        call per ``write`` while its buffer is empty, and a frame used to take three."""
+        head = frame.head  # prepared by the sender (``sized_frame``), or encoded here
+        if head is None or len(frame.payload) + frame.pad_len > self.max_payload:
+            head = encode_header(frame, self.max_payload)
+        parts = [head]
         if len(frame.payload):
-            tr.write(bytes(frame.payload))
-            n += len(frame.payload)
+            parts.append(frame.payload)
         if frame.pad_len:
-            tr.write(bytes(frame.pad_len))
-            n += frame.pad_len
-        return n
+            parts.append(_zeros(frame.pad_len))
+        if self._corked:
+            self._pending.setdefault(tr, []).extend(parts)
+        else:
+            tr.write(b"".join(parts))
+        return len(head) + len(frame.payload) + frame.pad_len
+
+    @property
+    def is_corked(self) -> bool:
+        return self._corked > 0
+
+    @contextlib.contextmanager
+    def corked(self) -> Iterator[None]:
+        """Frames sent inside go out when the outermost block ends, one write per peer: what
+        a step releases (its partials, its tokens' dispatch group) leaves together, as the
+        simulator's one message per destination, without a system call per frame on the
+        hop's path (about 0.1 ms of wall time each, measured on the emulated hosts)."""
+        self._corked += 1
+        try:
+            yield
+        finally:
+            self._corked -= 1
+            if not self._corked and self._pending:
+                pending, self._pending = self._pending, {}
+                for tr, parts in pending.items():
+                    if not tr.is_closing():
+                        tr.write(b"".join(parts))
 
     def send(self, dst: int, frame: Frame) -> bool:
         """Queue ``frame`` for ``dst``; False if that peer is known to be gone. Frames to

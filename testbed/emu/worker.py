@@ -57,6 +57,7 @@ from .rendezvous import rendezvous
 from .stream import ModeledStream
 from .tolerances import RELEASE_LATE_REL
 from .transport import Transport, precise_loop
+from .wire import warm_codec
 
 
 @dataclass
@@ -189,6 +190,9 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
             if self.bank.replicas else None  # warm the kernels up
         self.router_warmup_s = warm_router(self.setup.router, self.setup.shape.n_layers)
         self.routing_warmup_s = self._warm_routing()  # every request's trace routing, ahead
+        t_wire = time.perf_counter()
+        warm_codec(self.d, self.wire_bytes)  # the frames' first builds (wire.warm_codec)
+        self.wire_warmup_s = time.perf_counter() - t_wire
         # the window's compiled kernel too: its first load held the first message back
         self.tcp_warmup_s = warm_up(self.spec.net.params()) if self.holds is not None else 0.0
         print("READY", flush=True)
@@ -263,6 +267,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "decisions": len(self.decision_cpu),
                 "router_warmup_ms": getattr(self, "router_warmup_s", 0.0) * 1e3,
                 "routing_warmup_ms": getattr(self, "routing_warmup_s", 0.0) * 1e3,
+                "wire_warmup_ms": getattr(self, "wire_warmup_s", 0.0) * 1e3,
                 "tcp_warmup_ms": getattr(self, "tcp_warmup_s", 0.0) * 1e3,
                 "decision_cpu_us_mean": float(np.mean(self.decision_cpu) * 1e6) if self.decision_cpu else 0.0,
                 "decision_cpu_us_p99": float(np.percentile(self.decision_cpu, 99) * 1e6)

@@ -34,11 +34,15 @@ class Aggregation:
 
     def _init_aggregation(self) -> None:
         self.gathers: dict[tuple, Gather] = {}
+        #: (request, token, layer) -> seqs of its attempts opened here, until one completes:
+        #: finds a layer's other attempts without a scan of every open gather per frame
+        self.attempts: dict[tuple, set[int]] = {}
 
     def _gather(self, key: tuple) -> Gather:
         g = self.gathers.get(key)
         if g is None:
             g = self.gathers[key] = Gather(key, opened=self.now())
+            self.attempts.setdefault(key[:3], set()).add(key[3])
         return g
 
     def _on_partial(self, frame: Frame, arrival: float) -> None:
@@ -76,17 +80,24 @@ class Aggregation:
 
     def _stale(self, key: tuple) -> bool:
         """A later attempt of the same token-layer is open: this one was abandoned."""
-        rid, tok, layer, seq = key
-        return any(k[:3] == (rid, tok, layer) and k[3] > seq for k in self.gathers)
+        layer_key, seq = key[:3], key[3]
+        return any(s > seq and (*layer_key, s) in self.gathers
+                   for s in self.attempts.get(layer_key, ()))
 
     def _maybe_complete(self, g: Gather) -> None:
         h = g.msg
         if h is None or len(g.partials) < h.n_participants:
             return
         del self.gathers[g.key]
-        rid, tok, layer, seq = g.key
-        for old in [k for k in self.gathers if k[:3] == (rid, tok, layer) and k[3] < seq]:
-            del self.gathers[old]  # an abandoned attempt of this layer
+        layer_key, seq = g.key[:3], g.key[3]
+        later = set()
+        for s in self.attempts.pop(layer_key, ()):
+            if s < seq:
+                self.gathers.pop((*layer_key, s), None)  # an abandoned attempt of this layer
+            elif s > seq and (*layer_key, s) in self.gathers:
+                later.add(s)
+        if later:
+            self.attempts[layer_key] = later
         # the layer ends when its last partial arrived (model time, the simulator's fan-in end),
         # not when this loop got round to it
         t = max(h.t_dispatch, max(p[3] for p in g.partials.values()))

@@ -113,10 +113,11 @@ class Compute:
         """A step's jobs are all released: its partials go to each aggregator as one group,
         and its dense parts are decided and dispatched together (routing.py)."""
         outs, self._out_partials = self._out_partials, {}
-        for parts in outs.values():
-            self._groups += 1
-            for p, t_end in parts:
-                self._send_partial(p, t_end, self._groups, len(parts))
+        with self._together():  # one write per aggregator
+            for parts in outs.values():
+                self._groups += 1
+                for p, t_end in parts:
+                    self._send_partial(p, t_end, self._groups, len(parts))
         if self._cohort:
             cohort, self._cohort = self._cohort, []
             self._decide_step(cohort)
@@ -129,7 +130,7 @@ class Compute:
                       dtype=DType.FLOAT32, shape=(self.d,), group=group, group_n=group_n)
         agg = h.aggregator
         why = f"partial output cannot reach server {agg}"
-        self.hop_partial.append(time.monotonic() - self.wall(t_end))
+        self._hop(self.hop_partial, t_end)
         if not self._send(agg, self._hidden_frame(out, p.partial),
                           lambda _, p=p, why=why: self._relayer(p.key, p.msg, p.hidden, why),
                           at=t_end):

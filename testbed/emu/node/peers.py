@@ -11,15 +11,16 @@ acknowledges it. A peer whose connection breaks, or that is silent for
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from collections import deque
-from dataclasses import replace
+from typing import Iterator
 
 import torch
 
 from ..wire import (TENSOR_MESSAGES, Custody, Fail, Feedback, Frame, Hidden, Partial, State, Token,
-                    encode_header, tensor_frame)
+                    patched, sized_frame)
 
 #: a peer silent this many windows is lost (it sends STATE every window). Over 8,288
 #: healthy peer pairs of the emulated runs kept here (2026-11-26/27, 2-core host, T = 32-127)
@@ -51,6 +52,28 @@ class Peers:
         self.grouped: dict[tuple[int, int], list[tuple[Frame, float]]] = {}
         #: (destination, kind, group) -> (its congestion-window wait, frames still to send)
         self._group_holds: dict[tuple, tuple[float, int]] = {}
+        #: (hop list, wall time the frame was due) of frames written when ``_together`` ends
+        self._hops_due: list[tuple[list, float]] = []
+
+    @contextlib.contextmanager
+    def _together(self) -> Iterator[None]:
+        """Frames sent inside leave together when the outermost block ends (one write per
+        peer, ``Transport.corked``); their hops (``_hop``) are timed then."""
+        with self.net.corked():
+            yield
+        if not self.net.is_corked and self._hops_due:
+            now = time.monotonic()
+            for into, due in self._hops_due:
+                into.append(now - due)
+            self._hops_due.clear()
+
+    def _hop(self, into: list, t: float) -> None:
+        """How late, in wall seconds, a frame due at model time ``t`` is written (the
+        worker's own Python per hop: ``hop_dispatch_ms``, ``hop_partial_ms``)."""
+        if self.net.is_corked:
+            self._hops_due.append((into, self.wall(t)))
+        else:
+            into.append(time.monotonic() - self.wall(t))
 
     def _tick(self, window: int) -> None:
         if self.stopping:
@@ -121,7 +144,7 @@ class Peers:
             self.stats["tcp_wait_s"] = self.stats.get("tcp_wait_s", 0.0) + clock.last_wait
         if hold <= 0.0:
             return frame
-        return Frame(replace(m, hold_s=hold), frame.payload, frame.pad_len)
+        return patched(frame, hold_s=hold)
 
     def _acked(self, src: int, received: tuple[int, ...]) -> None:
         n = received[self.rank] if self.rank < len(received) else 0
@@ -153,10 +176,7 @@ class Peers:
         padding) is the simulator's message, the real model's hidden state plus
         ``sim.header_bytes``; the emulator's own fields (137 bytes and up) take the place
         of that much padding, where they used to come on top of a padded hidden state."""
-        frame = tensor_frame(msg, t, pad_to=self.hidden_bytes)
-        head = len(encode_header(frame))
-        pad = self.wire_bytes - head - len(frame.payload)
-        return frame if pad == frame.pad_len else Frame(frame.msg, frame.payload, max(0, pad))
+        return sized_frame(msg, t, self.wire_bytes)
 
     def _on_frame(self, frame: Frame, arrival: float) -> None:
         if self.stopping:
