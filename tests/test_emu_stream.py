@@ -484,6 +484,42 @@ def test_a_senders_frames_carry_the_simulators_window_wait_and_the_receiver_adds
     assert arrivals["Hidden"] == pytest.approx(t + 0.002 + T * sent[0].msg.hold_s)
 
 
+def test_a_data_frame_never_goes_before_one_its_peer_sent_ahead_of_it():
+    """One connection delivers in order, as the simulator's link queues a message behind the
+    earlier ones: a frame whose own due time (arrival + delay + T x hold) is earlier waits
+    for the frame sent before it; a control frame keeps its own delay (the simulator's
+    control messages do not queue behind data)."""
+    from testbed.emu.transport import Transport
+    from testbed.emu.wire import Frame, Hidden, Pick, Pong, tensor_frame
+
+    def hidden(token, hold):
+        m = Hidden(0, 9, token, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), (),
+                   hold_s=hold)
+        return tensor_frame(m, torch.zeros(4))
+
+    got = []
+    loop = precise_loop()
+    net = Transport(1, 0, {}, [0.002, 0.0], lambda f, a: got.append((f.msg, a)),
+                    lambda p, why: None, b"s" * 16, hold_scale=1.0)
+
+    async def go():
+        t = time.monotonic()
+        net.deliver(hidden(0, 0.030), 0, t)  # a held group's frame: due at t + 32 ms
+        net.deliver(hidden(1, 0.0), 0, t + 0.001)  # sent behind it, due at t + 3 ms alone
+        net.deliver(Frame(Pong(0, 0, 0.0)), 0, t + 0.001)  # control: t + 3 ms
+        net.deliver(hidden(2, 0.0), 0, t + 0.040)  # after both were handed on
+        await asyncio.sleep(0.06)
+        return t
+    t = loop.run_until_complete(go())
+    loop.close()
+    order = [(type(m).__name__, getattr(m, "token", None)) for m, _ in got]
+    assert order == [("Pong", None), ("Hidden", 0), ("Hidden", 1), ("Hidden", 2)]
+    at = [a - t for _, a in got]
+    assert at[0] == pytest.approx(0.003) and at[1] == pytest.approx(0.032)
+    assert at[2] == pytest.approx(0.032)  # as soon as the frame ahead of it, not before
+    assert at[3] == pytest.approx(0.042)
+
+
 def test_a_job_delivered_after_the_step_it_had_arrived_for_started_is_counted():
     """Job 1 arrives (model time) with job 0 but reaches the stream 1 ms of wall time later
     (a sender running late): job 0's step has started, so job 1 waits for the next step
