@@ -292,7 +292,10 @@ class Transport:
                 return
             queue.popleft()
             self.late_deliveries += max(0.0, now - due)
-            self.on_frame(frame, due)
+            try:
+                self.on_frame(frame, due)
+            except Exception as err:  # one frame's failure must not hold up the frames behind it
+                self.log(f"handing on a frame from {src} failed: {err!r}")
 
     def peer_lost(self, peer: int, why: str) -> None:
         if peer not in self.lost:

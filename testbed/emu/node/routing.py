@@ -208,10 +208,11 @@ class Routing:
         """The HIDDEN message of a decided token-layer and its frame per destination (the
         participants and the aggregator, in sending order), encoded. Built before the
         dispatch time, while the decision's charged time runs: built at that time they were
-        on the hop's path, serially over a step's tokens. Timed in the workers (asym5, Prism
-        at 10 req/s, T = 32): a 36-token prompt's frames took 5-15 ms of wall time to build,
-        its dispatch left 1.6-13 ms (0.05-0.4 emulated ms) late; now 0.15-0.25 ms late
-        (README, "Emulator against simulator")."""
+        on the hop's path, serially over a step's tokens (dispatch 2.2-6.1 ms of wall time
+        late at the median per worker; asym5, Prism at 10 req/s, T = 32). Built ahead, a
+        worker's first 36-token prompt took 8-15 ms of wall time to frame, 4.9-5.2 ms after
+        the codec's warm-up (``wire.warm_codec``), inside the decisions' charged 7.8 ms: its
+        dispatch now leaves 0.15-0.25 ms late (README, "Emulator against simulator")."""
         a = routed.assignment
         participants = sorted(routed.per_server)
         rid, index, layer = tv.request, tv.index, tv.layer
