@@ -392,6 +392,29 @@ def test_a_step_hands_on_what_it_released_after_its_last_job():
     assert log == [("job", 0), ("job", 1), ("job", 2), ("step", True)]
 
 
+def test_a_step_hands_its_kernels_outputs_and_modeled_end_over_at_its_start():
+    """What a release sends on is made while the step runs (``on_step_ran``): the hook
+    sees every job of the step with the kernel's output and the step's modeled end,
+    before the first job is released."""
+    loop = precise_loop()
+    log = []
+    s, _ = _stream(loop, lambda j: log.append(("job", j.token, s.now())), scope="layer",
+                   kernel=lambda r, x: 2 * x)
+    s.on_step_ran = lambda jobs, end: log.append(
+        ("ran", [(j.token, j.owner.x[0].item()) for j in jobs], end, s.now()))
+    t = s.now()
+    for i in range(3):
+        s.submit(_job(i % 2, t, i + 1))
+    loop.run_until_complete(asyncio.sleep(0.05))
+    loop.close()
+    (kind, seen, end, at), *released = log
+    assert kind == "ran" and seen == [(1, 2.0), (2, 4.0), (3, 6.0)]
+    assert end == pytest.approx(t + 3 * COMP, abs=1e-9)  # replica 0 with two tokens, 1 with one
+    assert at < t + COMP  # called at the step's start, not at its end
+    assert [e[:2] for e in released] == [("job", 1), ("job", 2), ("job", 3)]
+    assert all(e[2] >= end for e in released)
+
+
 def test_a_step_does_not_wait_for_an_older_requests_job_still_on_its_way():
     # the simulator's stream, free at t, takes what is queued at t; a job of an older
     # request that arrives later (model time) waits for the next step. The emulator may hold

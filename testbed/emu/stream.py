@@ -77,13 +77,17 @@ class ModeledStream:
                  kernel: Kernel, on_done: Callable[[Job], None], now: Callable[[], float],
                  wall: Callable[[float], float], log: Callable[[str], None] = lambda s: None,
                  on_step_done: Callable[[], None] | None = None,
-                 on_step: Callable[[Step], None] | None = None) -> None:
+                 on_step: Callable[[Step], None] | None = None,
+                 on_step_ran: Callable[[list[Job], float], None] | None = None) -> None:
         self.loop, self.T = loop, float(dilation)
         #: called with every step as it starts (``run --trace-steps``), as the simulator's
         self.on_step = on_step
         #: called once a step's jobs are all released (``released_at`` still set): what the
         #: step released together leaves together (``engine.dispatch: step``)
         self.on_step_done = on_step_done
+        #: called with a step's jobs and its modeled end once its kernels have run (at its
+        #: start): what the release hands on is made then, inside the step's padded time
+        self.on_step_ran = on_step_ran
         self.sched, self.kernel, self.on_done = scheduler, kernel, on_done
         self.now, self.wall, self.log = now, wall, log
         self.free_at = 0.0  # model time the stream is free
@@ -168,6 +172,8 @@ class ModeledStream:
                 torch.cuda.synchronize()
             self.stats.kernel.append((step.duration, time.perf_counter() - t0))
         end = start + step.duration
+        if self.on_step_ran is not None:
+            self.on_step_ran(step.jobs, end)
         self.free_at = end
         self.stats.batches += 1
         self.stats.jobs += len(step.jobs)

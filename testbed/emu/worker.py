@@ -173,7 +173,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                                     self.wall, self._log,
                                     self._flush_step if self.step_dispatch else None,
                                     on_step=None if trace is None else
-                                    (lambda step: trace(step_row(self.rank, step, prec.__getitem__))))
+                                    (lambda step: trace(step_row(self.rank, step, prec.__getitem__))),
+                                    on_step_ran=self._step_ran)
         if self.cfg.rendezvous is not None:  # peers from the store, not from the config
             host, port = self.cfg.rendezvous
             peers, self._store, secret = await loop.run_in_executor(

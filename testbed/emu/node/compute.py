@@ -17,7 +17,7 @@ import torch
 
 from ...steps import DENSE, Job
 from ..stream import Work
-from ..wire import DType, Frame, Hidden, Partial, Ran
+from ..wire import DType, Frame, Hidden, Partial, Ran, patched
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Participation:
     arrival: float  # model time the hidden state arrived
     hidden: torch.Tensor | None = None  # the state as received: re-routed from here if the partial is lost
     gpus: dict[int, bool] = field(default_factory=dict)  # assignment position -> ran on GPU
+    frame: Frame | None = None  # the PARTIAL, built once the step that completes it has run
 
 
 class Compute:
@@ -84,6 +85,25 @@ class Compute:
                                    Work(x, p, float(w[j]), j), prio))
         self.hop_queue.append(time.monotonic() - arrival)
 
+    def _step_ran(self, jobs: list[Job], t_end: float) -> None:
+        """A step's kernels have run (at its start): each participation's share is summed
+        now and, where this step completes it, its PARTIAL built, inside the step's padded
+        time rather than on the hop's path at its release (``_send_partial`` patches in the
+        group). Measured before, with timers in the worker (asym5, Prism, 10 req/s, T = 32):
+        from a step's modeled end to its partials' write took 0.6-1.5 ms of wall time at the
+        median per server, of it 0.1-0.3 ms summing the released jobs and 0.2-0.8 ms
+        building the frames."""
+        for job in jobs:
+            if job.replica == DENSE:
+                continue
+            work: Work = job.owner
+            p = work.owner
+            p.gpus[work.position] = job.gpu
+            p.partial += work.gate * work.x  # the expert output by now
+            p.jobs_left -= 1
+            if not p.jobs_left:
+                p.frame = self._partial_frame(p, t_end)
+
     def _job_done(self, job: Job) -> None:
         work: Work = job.owner
         # the model time the step ended (its jobs are released then), not the loop's now
@@ -97,13 +117,9 @@ class Compute:
             else:
                 self._decide(tok, h, t_layer, 0, t_end)
             return
-        p = work.owner
-        p.gpus[work.position] = job.gpu
-        p.partial += work.gate * work.x  # the expert output by now
-        p.jobs_left -= 1
-        if p.jobs_left:
+        p = work.owner  # its share was summed when the step ran (``_step_ran``)
+        if p.jobs_left or self.parts.pop(p.key, None) is None:  # more to run, or sent already
             return
-        self.parts.pop(p.key, None)
         if self.step_dispatch:
             self._out_partials.setdefault(p.msg.aggregator, []).append((p, t_end))
         else:
@@ -122,16 +138,23 @@ class Compute:
             cohort, self._cohort = self._cohort, []
             self._decide_step(cohort)
 
-    def _send_partial(self, p: Participation, t_end: float, group: int = 0, group_n: int = 1) -> None:
+    def _partial_frame(self, p: Participation, t_end: float) -> Frame:
         h = p.msg
         out = Partial(src=self.rank, request=h.request, token=h.token, layer=h.layer, seq=h.seq,
                       t_arrived=p.arrival, t_computed=t_end,
                       ran=tuple(Ran(j, bool(g)) for j, g in sorted(p.gpus.items())),
-                      dtype=DType.FLOAT32, shape=(self.d,), group=group, group_n=group_n)
+                      dtype=DType.FLOAT32, shape=(self.d,))
+        return self._hidden_frame(out, p.partial)
+
+    def _send_partial(self, p: Participation, t_end: float, group: int = 0, group_n: int = 1) -> None:
+        h = p.msg
+        frame = p.frame if p.frame is not None else self._partial_frame(p, t_end)
+        if group:
+            frame = patched(frame, group=group, group_n=group_n)
         agg = h.aggregator
         why = f"partial output cannot reach server {agg}"
         self._hop(self.hop_partial, t_end)
-        if not self._send(agg, self._hidden_frame(out, p.partial),
+        if not self._send(agg, frame,
                           lambda _, p=p, why=why: self._relayer(p.key, p.msg, p.hidden, why),
                           at=t_end):
             self._relayer(p.key, h, p.hidden, why)  # re-route the layer from here
