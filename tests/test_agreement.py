@@ -200,6 +200,12 @@ def test_sim_band_runs_jittered_twins_and_places_the_emulator_in_their_range(tmp
     assert not off.ok and off.in_band
     assert not dataclasses.replace(off, mean_ms=(140.0, lo)).in_band
     assert "is outside it" in format_rows([dataclasses.replace(off, mean_ms=(140.0, lo))])
+    # within tolerance but outside a narrow band: said so, not called inside
+    narrow = Band((0.0, 1e-5), (100.0, 100.5), (200.0, 200.5), (1000, 1000))
+    near = dataclasses.replace(row, mean_ms=(103.0, 100.0), p99_ms=(200.2, 200.0), work=(1000, 1000),
+                               ok_mean=True, ok_p99=True, band=narrow)
+    assert near.ok and near.in_band and "is within tolerance where outside it" in format_rows([near])
+    assert "is inside it" in format_rows([dataclasses.replace(near, mean_ms=(100.2, 100.0))])
     assert dataclasses.replace(row, band=None).in_band is None
 
 
