@@ -152,6 +152,6 @@ class Aggregation:
         final = Token(src=self.rank, request=h.request, token=h.token, layer=self.L, seq=h.seq,
                       home=h.home, lam_acc=lam, final=True, dtype=DType.FLOAT32, shape=(self.d,))
         why = f"home {self.setup.cluster.names[h.home]} unreachable"
-        if not self._send(h.home, self._hidden_frame(final, out),
+        if not self._send(h.home, self._hidden_frame(final, out, h.home),
                           lambda _, final=final, why=why: self._token_failed(final, why), at=t):
             self._token_failed(final, why)

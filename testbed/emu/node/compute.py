@@ -144,7 +144,7 @@ class Compute:
                       t_arrived=p.arrival, t_computed=t_end,
                       ran=tuple(Ran(j, bool(g)) for j, g in sorted(p.gpus.items())),
                       dtype=DType.FLOAT32, shape=(self.d,))
-        return self._hidden_frame(out, p.partial)
+        return self._hidden_frame(out, p.partial, h.aggregator)
 
     def _send_partial(self, p: Participation, t_end: float, group: int = 0, group_n: int = 1) -> None:
         h = p.msg

@@ -231,13 +231,15 @@ class Routing:
         folded = self._folded(out)  # the same rule the receivers apply (compute.py)
         frames: dict[int, Frame] = {}
         state = None  # one encoding of the state; a group's count patched per destination
-        for n in sorted(set(participants) | {agg}):
+        dests = sorted(set(participants) | {agg})
+        local = all(n == self.rank for n in dests if not (folded and n == agg))
+        for n in dests:
             if folded and n == agg:  # the header: no state, no padding
                 msg = out if group is None else replace(out, group=group[0], group_n=group[1][n])
                 frames[n] = tensor_frame(msg, EMPTY)
                 continue
-            if state is None:
-                state = self._hidden_frame(out, h)
+            if state is None:  # the state only for this server itself: never on the wire
+                state = self._hidden_frame(out, h, self.rank if local else None)
             frames[n] = state if group is None else patched(state, group=group[0],
                                                              group_n=group[1][n])
         return out, frames
