@@ -72,11 +72,14 @@ class Comparison:
         simulator or inside the simulator's jitter band (None without a band)."""
         if self.band is None:
             return None
+        return all(ok or lo <= v <= hi for ok, v, (lo, hi) in self._against_band())
+
+    def _against_band(self) -> tuple[tuple[bool, float, tuple[float, float]], ...]:
+        """Each checked metric: within tolerance of the exact run, the emulator's value, the
+        band's range."""
         b = self.band
-        inside = lambda v, lo_hi: lo_hi[0] <= v <= lo_hi[1]  # noqa: E731
-        return ((self.ok_mean or inside(self.mean_ms[0], b.mean_ms))
-                and (self.ok_p99 or inside(self.p99_ms[0], b.p99_ms))
-                and (self.ok_work or inside(self.work[0], b.work)))
+        return ((self.ok_mean, self.mean_ms[0], b.mean_ms), (self.ok_p99, self.p99_ms[0], b.p99_ms),
+                (self.ok_work, self.work[0], b.work))
 
     def band_verdict(self) -> str:
         """How the emulator stands against the band, in words: inside it on every metric
@@ -85,9 +88,8 @@ class Comparison:
         out of tolerance."""
         if not self.in_band:
             return "is outside it on a metric out of tolerance"
-        b = self.band
-        pairs = ((self.mean_ms[0], b.mean_ms), (self.p99_ms[0], b.p99_ms), (self.work[0], b.work))
-        every = all(v != v or lo != lo or lo <= v <= hi for v, (lo, hi) in pairs)  # NaN: no requests
+        every = all(v != v or lo != lo or lo <= v <= hi  # NaN: no requests on a side
+                    for _, v, (lo, hi) in self._against_band())
         return "is inside it" if every else "is within tolerance where outside it"
 
 
