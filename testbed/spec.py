@@ -148,6 +148,11 @@ class EmuSpec(_Model):
     expert_d_model: int = Field(64, ge=8, le=16_384, description="hidden size of the emulated experts")
     max_drain_s: float = Field(5.0, gt=0, le=3_600, description="emulated seconds to wait after the last "
                                "arrival; requests unfinished then are recorded as failed")
+    late_writes: Literal["absorbed", "exposed"] = Field(
+        "absorbed", description="a data frame its sender wrote late (wall seconds after its model "
+        "send time, its own Python per hop): 'absorbed' starts the transport delay line at the "
+        "due time, so the lateness is hidden where the link's dilated delay covers it; "
+        "'exposed' starts it at the frame's arrival (before 2026-11-29). netem: always exposed")
 
 
 class NetSpec(_Model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -450,7 +451,7 @@ def test_a_senders_frames_carry_the_simulators_window_wait_and_the_receiver_adds
     class Net:
         sent_frames = {1: 0}
 
-        def send(self, dst, frame):
+        def send(self, dst, frame, due=None):
             sent.append(frame)
             return True
 
@@ -458,6 +459,9 @@ def test_a_senders_frames_carry_the_simulators_window_wait_and_the_receiver_adds
         N, rank, T, t0, stopping = 2, 0, T, time.monotonic(), False
         net = Net()
         reachable = [True, True]
+
+        def wall(self, t):
+            return self.t0 + self.T * t
 
     node = Node()
     node.stats = {"frames_out": 0}
@@ -591,3 +595,61 @@ def test_an_older_requests_job_delivered_late_for_another_layer_is_counted():
     loop.run_until_complete(asyncio.sleep(0.1))
     loop.close()
     assert s.stats.missed == 1
+
+
+def test_a_late_write_is_stamped_and_the_receivers_delay_line_absorbs_it():
+    """The sender stamps how late it wrote a data frame after its model send time (at the
+    corked block's end, where the bytes leave); the receiver's delay line starts at the
+    due time as far as the link's delay covers it (``emu.late_writes: absorbed``), and at
+    the arrival with ``exposed``. Control frames carry no stamp."""
+    from testbed.emu.transport import Transport
+    from testbed.emu.wire import FrameDecoder, Hidden, Pick, tensor_frame
+
+    class Wire:  # an asyncio transport's write side
+        def __init__(self):
+            self.data = bytearray()
+
+        def write(self, b):
+            self.data += b
+
+        def is_closing(self):
+            return False
+
+    m = Hidden(0, 9, 1, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), ())
+    sender = Transport(0, 0, {1: ("h", 1)}, [0.0, 0.0], lambda f, a: None, lambda p, why: None,
+                       b"s" * 16)
+    wire = sender.out[1] = Wire()
+    now = time.monotonic()
+    with sender.corked():
+        assert sender.send(1, tensor_frame(m, torch.zeros(4)), due=now - 0.004)
+        assert sender.send(1, tensor_frame(m, torch.zeros(4)), due=now + 60.0)  # not late
+        assert sender.send(1, tensor_frame(m, torch.zeros(4)))  # no model time: no stamp
+        time.sleep(0.003)  # the bytes leave when the block ends
+    dec = FrameDecoder()
+    late = [f.msg.write_late_s for f in dec.feed(bytes(wire.data))]
+    assert 0.007 <= late[0] < 0.5 and late[1:] == [0.0, 0.0]
+    assert sender.late_written == pytest.approx(late[:2])
+
+    def arrivals(absorb: bool, stamp: float):
+        got = []
+        loop = precise_loop()
+        net = Transport(1, 0, {}, [0.020, 0.0], lambda f, a: got.append(a),
+                        lambda p, why: None, b"s" * 16, absorb_late=absorb)
+
+        async def go():
+            t = time.monotonic()
+            net.deliver(tensor_frame(replace(m, write_late_s=stamp), torch.zeros(4)), 0, t)
+            await asyncio.sleep(0.04)
+            return t
+        t = loop.run_until_complete(go())
+        loop.close()
+        return got[0] - t, net
+
+    at, net = arrivals(True, 0.008)  # written 8 ms late on a 20 ms line: due 12 ms on
+    assert at == pytest.approx(0.012, abs=1e-3)
+    assert net.late_absorbed == pytest.approx(0.008) and net.late_exposed == 0.0
+    at, net = arrivals(True, 0.030)  # later than the line covers: handed on at once
+    assert at == pytest.approx(0.0, abs=1e-3)
+    assert net.late_absorbed == pytest.approx(0.020) and net.late_exposed == pytest.approx(0.010)
+    at, net = arrivals(False, 0.008)  # exposed: the line starts at the arrival
+    assert at == pytest.approx(0.020, abs=1e-3) and net.late_exposed == pytest.approx(0.008)

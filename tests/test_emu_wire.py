@@ -537,3 +537,56 @@ def test_rendezvous_through_a_tcp_store_gives_each_worker_its_peers() -> None:
     assert out == {r: {p: (f"127.0.{p}.{r}", 9000 + p) for p in range(3) if p != r} for r in range(3)}
     # rank 0 drew the run secret that authenticates peers; everyone has the same one
     assert len(secrets[0]) == 32 and secrets[0] == secrets[1] == secrets[2]
+
+
+def test_a_servers_state_for_itself_is_framed_without_head_or_padding():
+    """A pipeline stage hands most layers to itself (``Peers._hidden_frame``): that frame
+    goes straight to the server's own handler, so it is built without the encoded head and
+    the padding to the simulator's size, with the same message and tensor; a frame for a
+    peer is the simulator's size on the wire and decodes to the same state."""
+    from testbed.emu.node.peers import Peers
+
+    wire_bytes = 4096 + 512  # a state and the simulator's header bytes
+    handed, written = [], []
+
+    class Net:
+        sent_frames = {1: 0}
+
+        def send(self, dst, frame, due=None):
+            written.append((dst, frame))
+            return True
+
+    class Loop:
+        def call_soon(self, fn, *args):
+            handed.append(args[0])
+
+    class Node(Peers):
+        N, rank, stopping, holds = 2, 0, False, None
+        net, loop = Net(), Loop()
+        reachable = [True, True]
+
+        def wall(self, t):
+            return t
+
+    node = Node()
+    node.wire_bytes = wire_bytes
+    node.stats = {"frames_out": 0}
+    node._init_peers()
+    state = torch.arange(1024, dtype=torch.float32)
+    m = Hidden(0, 9, 3, 4, 1, 0, 0, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), (),
+               dtype=DType.FLOAT32, shape=(1024,))
+
+    own = node._hidden_frame(m, state, 0)
+    assert own.head is None and own.pad_len == 0
+    assert own.msg == m and torch.equal(own.tensor(), state)
+    grouped = w.patched(own, group=7, group_n=2)  # a dispatch group's count, as _outgoing does
+    assert grouped.head is None and (grouped.msg.group, grouped.msg.group_n) == (7, 2)
+    assert node._send(0, grouped, at=0.5) and handed == [grouped] and not written
+
+    peer = node._hidden_frame(m, state, 1)
+    assert peer.head is not None and len(w.encode(peer)) == wire_bytes
+    assert node._send(1, peer) and written == [(1, peer)]
+    got = w.decode(w.encode(w.patched(peer, group=7, group_n=2)))
+    assert got.msg == grouped.msg and torch.equal(got.tensor(), state)
+    # without a destination (a state some peer will read) it is the wire's size too
+    assert len(w.encode(node._hidden_frame(m, state))) == wire_bytes

@@ -45,9 +45,10 @@ from hetroute.state import Mode
 MAGIC = b"HRTW"
 #: a congestion-window wait longer than this is a sender's bug, not a window
 MAX_HOLD_S = 3600.0
-VERSION = 7  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
+VERSION = 8  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
 #: 5: HIDDEN, PARTIAL and TOKEN carry their congestion-window wait (``hold_s``); 6: HIDDEN
-#: carries the router's delay estimate (``est_delay_us``); 7: CUSTODY
+#: carries the router's delay estimate (``est_delay_us``); 7: CUSTODY; 8: HIDDEN, PARTIAL
+#: and TOKEN carry how late their sender wrote them (``write_late_s``)
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
@@ -148,6 +149,10 @@ class Hidden:
     #: congestion window beyond line rate (``testbed/tcp.py``), added by the receiver's
     #: delay line (the kernel's own TCP sees no delay to grow its window over)
     hold_s: float = 0.0
+    #: wall seconds the sender wrote the frame after the model time it was due (stamped by
+    #: ``Transport`` at the write): the receiver's delay line starts at the due time, so the
+    #: sender's own Python per hop is hidden where the link's dilated delay covers it
+    write_late_s: float = 0.0
     #: the router's own estimate of the layer's delay in us (``Assignment.est_delay``; -1: it
     #: has none), for the aggregator's record: both backends' records carry ``est_delay_s``
     est_delay_us: int = -1
@@ -176,6 +181,10 @@ class Partial:
     #: congestion window beyond line rate (``testbed/tcp.py``), added by the receiver's
     #: delay line (the kernel's own TCP sees no delay to grow its window over)
     hold_s: float = 0.0
+    #: wall seconds the sender wrote the frame after the model time it was due (stamped by
+    #: ``Transport`` at the write): the receiver's delay line starts at the due time, so the
+    #: sender's own Python per hop is hidden where the link's dilated delay covers it
+    write_late_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +207,10 @@ class Token:
     #: congestion window beyond line rate (``testbed/tcp.py``), added by the receiver's
     #: delay line (the kernel's own TCP sees no delay to grow its window over)
     hold_s: float = 0.0
+    #: wall seconds the sender wrote the frame after the model time it was due (stamped by
+    #: ``Transport`` at the write): the receiver's delay line starts at the due time, so the
+    #: sender's own Python per hop is hidden where the link's dilated delay covers it
+    write_late_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,11 +431,12 @@ _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
     Hidden: (("src", "H"), *_REQ, ("retries", "B"), ("home", "H"), ("aggregator", "H"),
              ("n_participants", "H"), ("lam_acc", "d"), ("t_layer", "d"), ("t_dispatch", "d"),
              ("view_age_us", "q"), ("backlog_err_us", "q"), ("decision_us", "q"),
-             ("est_delay_us", "q"), ("dtype", "B"), ("group", "I"), ("group_n", "H"), ("hold_s", "d")),
+             ("est_delay_us", "q"), ("dtype", "B"), ("group", "I"), ("group_n", "H"), ("hold_s", "d"),
+             ("write_late_s", "d")),
     Partial: (("src", "H"), *_REQ, ("t_arrived", "d"), ("t_computed", "d"), ("dtype", "B"),
-              ("group", "I"), ("group_n", "H"), ("hold_s", "d")),
+              ("group", "I"), ("group_n", "H"), ("hold_s", "d"), ("write_late_s", "d")),
     Token: (("src", "H"), *_REQ, ("home", "H"), ("lam_acc", "d"), ("final", "B"), ("dtype", "B"),
-            ("hold_s", "d")),
+            ("hold_s", "d"), ("write_late_s", "d")),
     State: (("src", "H"), ("window", "Q"), ("opened_at", "d"), ("t_send", "d"), ("backlog_s", "d")),
     Fail: (("src", "H"), ("home", "H"), ("request", "Q"), ("token", "I")),
     Custody: (("src", "H"), ("t_send", "d")),
@@ -480,6 +494,8 @@ def _check(m: Message) -> None:
         raise WireError("lam_acc must be >= 0")
     if not 0.0 <= getattr(m, "hold_s", 0.0) <= MAX_HOLD_S:
         raise WireError(f"hold_s must be in [0, {MAX_HOLD_S:g}] s")
+    if not 0.0 <= getattr(m, "write_late_s", 0.0) <= MAX_HOLD_S:
+        raise WireError(f"write_late_s must be in [0, {MAX_HOLD_S:g}] s")
     if isinstance(m, TENSOR_MESSAGES):
         if m.dtype not in _TORCH_OF or not 1 <= len(m.shape) <= MAX_DIMS:
             raise WireError(f"{type(m).__name__} needs a float tensor payload of 1-{MAX_DIMS} dims")
@@ -652,6 +668,12 @@ def patched(frame: Frame, **fields) -> Frame:
     except struct.error as e:
         raise WireError(f"field out of range: {e}") from None
     return Frame(m, frame.payload, frame.pad_len, bytes(head))
+
+
+def write_late_field(cls: type) -> tuple[int, struct.Struct]:
+    """Where a tensor message's ``write_late_s`` lies in its encoded frame, and its struct:
+    the transport stamps it into a prepared head at the write."""
+    return _FIELD_AT[cls]["write_late_s"]
 
 
 def warm_codec(d: int, total: int, rounds: int = 200) -> int:

@@ -185,7 +185,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
             secret = bytes.fromhex(self.cfg.secret)
         self.net = Transport(self.rank, self.cfg.port, self.cfg.peers, self.cfg.delays_in,
                              self._on_frame, self._peer_lost, secret, log=self._log,
-                             hold_scale=self.T if self.holds is not None else 0.0)
+                             hold_scale=self.T if self.holds is not None else 0.0,
+                             absorb_late=self.spec.emu.late_writes == "absorbed")
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up
@@ -280,7 +281,15 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "max_silence_windows": [round(g / (self.window * self.T), 3) for g in self.max_gap],
                 "wire_errors": self.net.wire_errors, "auth_failures": self.net.auth_failures,
                 "spoofed_frames": self.net.spoofed_frames, "bytes_sent": self.net.sent_bytes,
-                "delivery_late_mean_ms": self.net.late_deliveries / max(1, self.net.frames_in) * 1e3}
+                "delivery_late_mean_ms": self.net.late_deliveries / max(1, self.net.frames_in) * 1e3,
+                # wall ms per data frame: how late this worker wrote its own, and how late the
+                # received ones were written, split into what the delay line absorbed and not
+                **{f"write_late_ms_{q}": float(np.percentile(self.net.late_written, qv) * 1e3)
+                   if self.net.late_written else 0.0 for q, qv in (("p50", 50), ("p99", 99), ("max", 100))},
+                "write_late_absorbed_mean_ms": self.net.late_absorbed
+                / max(1, self.net.data_frames_in) * 1e3,
+                "write_late_exposed_mean_ms": self.net.late_exposed
+                / max(1, self.net.data_frames_in) * 1e3}
 
 
 def warm_router(router, layers: int) -> float:
