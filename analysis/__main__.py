@@ -1,5 +1,5 @@
 """``python -m analysis figure --fig N --backend B --scale S``, ``figures``, ``report``,
-``compare-steps``."""
+``compare-steps``, ``agreement-table``."""
 
 from __future__ import annotations
 
@@ -74,6 +74,19 @@ def compare_steps(run_a: Path = typer.Argument(..., help="a run folder written w
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     typer.echo(format_diffs(horizon, diffs, (run_a.name, run_b.name)))
+
+
+@app.command("agreement-table")
+def agreement_table(path: Path = typer.Argument(..., help="an agree-sweep's agreement.json, or "
+                                                "the folder that holds it")) -> None:
+    """Print an agree-sweep's points as the README's Markdown table (emulator / simulator)."""
+    from .agreement_table import load, table
+    try:
+        points = load(path)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(table(points))
 
 
 if __name__ == "__main__":

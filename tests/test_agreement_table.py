@@ -1,0 +1,62 @@
+"""``python -m analysis agreement-table``: an agree-sweep's file as the README's table."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+from typer.testing import CliRunner
+
+from analysis.__main__ import app
+from analysis.agreement_table import load, table
+from testbed.agreement import Band, Comparison, PointComparison
+
+
+def _point(router: str, rate: float, mean: tuple, p99: tuple, work: tuple, cut: float | None,
+           band: Band | None = None, seeds: int = 1) -> dict:
+    """A point as ``sweep_agreement`` writes it: the real dataclasses through ``asdict``."""
+    ok_mean = abs(mean[0] / mean[1] - 1) <= 0.05 if mean[1] == mean[1] else True
+    ok_p99 = abs(p99[0] / p99[1] - 1) <= 0.10 if p99[1] == p99[1] else True
+    ok_work = cut is None or abs(work[0] / work[1] - 1) <= 0.05
+    c = Comparison("emu/sim", router, mean, p99, (64.0, None), ok_mean, ok_p99, seeds,
+                   (3, 4), work, cut is not None, ok_work, band)
+    p = PointComparison(f"name={router},rate_per_s={rate:g}/seed0", rate, cut, 5, c)
+    return json.loads(json.dumps({**asdict(p), "ok": p.ok, "in_band": c.in_band}))
+
+
+def test_rows_say_what_the_file_holds_sorted_and_counted(tmp_path):
+    band = Band((0.0, 1e-5), (900.0, 1300.0), (1000.0, 1600.0), (4000, 5000))
+    points = [
+        _point("prism", 40, (1000.0, 1100.0), (1500.0, 1510.0), (4100, 4400), 2.07, band),
+        _point("edgeshard", 80, (571.0, 570.6), (795.5, 795.3), (55296, 55296), None),
+        _point("edgeshard", 10, (541.2, 540.5), (617.8, 617.3), (5760, 5760), None, seeds=3),
+        _point("moe-infinity", 40, (float("nan"), float("nan")), (float("nan"), float("nan")),
+               (8748, 8748), 2.07),
+    ]
+    (tmp_path / "agreement.json").write_text(json.dumps(points))
+    text = table(load(tmp_path))  # the folder or the file
+    lines = text.splitlines()
+    assert lines[0].startswith("| router | req/s |") and lines[1].count("---") == 12
+    rows = lines[2:6]
+    assert [r.split(" | ")[0] for r in rows] == ["| edgeshard (3 seeds)", "| edgeshard",
+                                                   "| moe-infinity", "| prism"]
+    es10 = rows[0].split(" | ")
+    assert es10[1:5] == ["10", "64", "-", "3 / 4 (5)"]
+    assert es10[5:7] == ["541.2 / 540.5", f"{541.2 / 540.5:.3f}"] and rows[0].endswith("| yes |")
+    assert " - | - | - | - | 8748 / 8748 | 1.000 | yes |" in rows[2]  # nothing finished: no latency
+    # Prism: mean 0.909 is out, but inside the simulator's band on every metric
+    assert "| 2.07 |" in rows[3] and "0.909" in rows[3] and rows[3].endswith(
+        "| **no** (inside the band) |")
+    assert lines[-1] == "3 of 4 within tolerance; 4 within or inside the simulator's jitter band"
+
+
+def test_a_file_that_is_not_an_agreement_gets_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="expected a list of points"):
+        load(bad)
+    res = CliRunner().invoke(app, ["agreement-table", str(bad)])
+    assert res.exit_code == 2 and "not an agree-sweep's agreement.json" in res.output
+    res = CliRunner().invoke(app, ["agreement-table", str(tmp_path / "missing.json")])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
