@@ -451,7 +451,7 @@ def test_a_senders_frames_carry_the_simulators_window_wait_and_the_receiver_adds
     class Net:
         sent_frames = {1: 0}
 
-        def send(self, dst, frame, due=None):
+        def send(self, dst, frame, due=None, modeled=True):
             sent.append(frame)
             return True
 
@@ -653,3 +653,54 @@ def test_a_late_write_is_stamped_and_the_receivers_delay_line_absorbs_it():
     assert net.late_absorbed == pytest.approx(0.020) and net.late_exposed == pytest.approx(0.010)
     at, net = arrivals(False, 0.008)  # exposed: the line starts at the arrival
     assert at == pytest.approx(0.020, abs=1e-3) and net.late_exposed == pytest.approx(0.008)
+
+
+def test_a_late_frame_onto_a_busy_link_is_stamped_with_its_departures_lateness_alone():
+    """Only the difference between the frame's start on the real link (behind what was
+    written before it, at the shaped rate) and its start on the model's link (behind the
+    modeled frames before it) is late: a frame written 25 ms late behind one written 30 ms
+    late leaves 30 ms late; one the simulator does not send takes real link time only; one
+    written early waits behind the real queue. Stamped from the write alone (885b7ee), the
+    second would read 25 ms and be handed on 5 ms early."""
+    from testbed.emu.transport import Transport
+    from testbed.emu.wire import FrameDecoder, Hidden, Pick, tensor_frame
+
+    class Wire:
+        def __init__(self):
+            self.data = bytearray()
+
+        def write(self, b):
+            self.data += b
+
+        def is_closing(self):
+            return False
+
+    m = Hidden(0, 9, 1, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), ())
+    probe = Transport(0, 0, {1: ("h", 1)}, [0.0, 0.0], lambda f, a: None, lambda p, why: None,
+                      b"s" * 16)
+    probe.out[1] = Wire()
+    probe.send(1, tensor_frame(m, torch.zeros(4)))
+    nbytes = probe.sent_bytes  # one frame's bytes: it takes 10 ms on the link below
+    sender = Transport(0, 0, {1: ("h", 1)}, [0.0, 0.0], lambda f, a: None, lambda p, why: None,
+                       b"s" * 16, link_s_per_byte={1: 0.010 / nbytes})
+    wire = sender.out[1] = Wire()
+    t = time.monotonic()
+    with sender.corked():
+        sender.send(1, tensor_frame(m, torch.zeros(4)), due=t - 0.030)  # A: idle link
+        sender.send(1, tensor_frame(m, torch.zeros(4)), due=t - 0.025)  # B: behind A
+        sender.send(1, tensor_frame(m, torch.zeros(4)), due=t, modeled=False)  # not the model's
+        sender.send(1, tensor_frame(m, torch.zeros(4)), due=t + 0.005)  # D: due after the write
+    late = [f.msg.write_late_s for f in FrameDecoder().feed(bytes(wire.data))]
+    # every real start moves with how long after t the block ended; the model's do not
+    assert late[0] >= 0.030
+    assert late[1] - late[0] == pytest.approx(0.0, abs=1e-9)  # B leaves at A's real end
+    # the unmodeled frame starts 20 ms after A on the real link, its model start is t
+    assert late[2] - late[0] == pytest.approx(-0.010, abs=1e-9)
+    # D: 30 ms of real queue ahead of it, model start t + 5 ms (B's model end is t - 10 ms)
+    assert late[3] - late[0] == pytest.approx(-0.005, abs=1e-9)
+    assert sender.late_written == pytest.approx(late)
+    # against their write lateness (the block ended e after t; A's lateness is 30 ms + e):
+    # B +5 ms, the unmodeled frame +20 ms, D 25 ms + e less what it was written late
+    e = late[0] - 0.030
+    assert sender.late_vs_write == pytest.approx(0.005 + 0.020 + 0.025 + e - max(0.0, e - 0.005),
+                                                 abs=1e-9)

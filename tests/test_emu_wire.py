@@ -552,7 +552,7 @@ def test_a_servers_state_for_itself_is_framed_without_head_or_padding():
     class Net:
         sent_frames = {1: 0}
 
-        def send(self, dst, frame, due=None):
+        def send(self, dst, frame, due=None, modeled=True):
             written.append((dst, frame))
             return True
 

@@ -24,13 +24,20 @@ delay is in the kernel and this line adds nothing.
 
 A data frame's line starts at the time it was due, not at its arrival, where the
 delay covers the difference (``emu.late_writes: absorbed``): the sender stamps
-how late it wrote the frame after its model send time (``write_late_s``, its own
-Python per hop: dispatch 1.2-2.8 ms and partials 0.6-1.7 ms of wall time at the
-median per worker, fastbehindslow4, HetRoute, 40 req/s, T = 64), and this line
-takes that from the link's delay. The bytes still cross the shaped link when
-they were written. Started at the arrival, 20-45 us (emulated) per hop of that
-lateness made the emulated run behave as the simulator does under 100 us of
-mean per-hop jitter (README, "Emulator against simulator").
+how much later the frame's bytes leave its shaped link than the model's
+departure (``write_late_s``), and this line takes that from the link's delay.
+The lateness is the sender's own Python per hop (dispatch 1.2-2.8 ms and
+partials 0.6-1.7 ms of wall time at the median per worker, fastbehindslow4,
+HetRoute, 40 req/s, T = 64); started at the arrival, 20-45 us (emulated) per hop
+of it made the emulated run behave as the simulator does under 100 us of mean
+per-hop jitter (README, "Emulator against simulator"). The departures are
+modeled on two FIFO clocks per outgoing link (``_depart``): the model's (the
+simulator's line-rate link, advanced by modeled frames from their model send
+times) and the real link's (every byte written, from its write, at the shaped
+rate). A frame written late onto a link that is still busy with earlier frames
+leaves no later than it would have anyway, so only the difference of the two
+starts is late: stamped from the write alone (commit 885b7ee), such frames were
+handed on early by up to their write lateness.
 
 Malformed, truncated or oversized frames close that connection only
 (``WireError``); the worker keeps serving everyone else.
@@ -153,7 +160,8 @@ class Transport:
                  delays_in: list[float], on_frame: OnFrame, on_peer_lost: Callable[[int, str], None],
                  secret: bytes, log: Callable[[str], None] = lambda s: None,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, check_source: bool = True,
-                 hold_scale: float = 0.0, absorb_late: bool = True) -> None:
+                 hold_scale: float = 0.0, absorb_late: bool = True,
+                 link_s_per_byte: dict[int, float] | None = None) -> None:
         if len(secret) < 16:
             raise ValueError("the run secret must have at least 16 bytes")
         self.rank, self.port, self.peers = rank, port, peers
@@ -164,6 +172,12 @@ class Transport:
         self.hold_scale = hold_scale
         #: ``emu.late_writes: absorbed``: a data frame's delay line starts when it was due
         self.absorb_late = absorb_late
+        #: wall seconds a byte takes on each outgoing shaped link (T / (B x payload
+        #: efficiency)); a destination without one is modeled as infinitely fast
+        self.link_s_per_byte = link_s_per_byte or {}
+        #: per destination, when the model's link and the real one are next free (wall s)
+        self._model_free: dict[int, float] = {}
+        self._real_free: dict[int, float] = {}
         self.on_frame, self._on_peer_lost, self.log = on_frame, on_peer_lost, log
         self.max_payload = max_payload
         self.out: dict[int, asyncio.Transport] = {}
@@ -176,13 +190,18 @@ class Transport:
         self.received_frames: dict[int, int] = {p: 0 for p in peers}  # per proven source
         self.frames_in = 0
         self.late_deliveries = 0.0  # summed lateness of delayed deliveries (s)
-        #: how late (s) this worker wrote each data frame it sent with a due time
+        #: how late (s) each data frame this worker sent with a due time left its link
         self.late_written: list[float] = []
+        #: summed over them: that lateness less the frame's write lateness (what 885b7ee
+        #: stamped): negative where the model's link was still busy, positive where the real
+        #: one carried an earlier frame's lateness
+        self.late_vs_write = 0.0
         #: received data frames' write lateness (s), summed: hidden by the delay line, and not
         self.late_absorbed = 0.0
         self.late_exposed = 0.0
         self.data_frames_in = 0
-        self._stamps: list[tuple[bytearray, int, object, float]] = []  # corked: stamp at the write
+        #: corked writes, in order: (dst, bytes, due, modeled, head, field offset, struct)
+        self._stamps: list[tuple] = []
         self._corked = 0  # depth of ``corked`` blocks
         #: per source, frames waiting for their due time, in the order they arrived
         self._due_queue: dict[int, deque] = {}
@@ -210,21 +229,27 @@ class Transport:
                                    f"{host}:{port} ({err or 'timed out'})") from None
             self.out[peer] = tr
 
-    def _write(self, tr: asyncio.Transport, frame: Frame, due: float | None = None) -> int:
+    def _write(self, tr: asyncio.Transport, frame: Frame, dst: int = -1, due: float | None = None,
+               modeled: bool = True) -> int:
         """One write per frame, or none while corked: an asyncio transport makes a system
         call per ``write`` while its buffer is empty, and a frame used to take three.
+        ``dst`` -1: a handshake frame, on no modeled link.
         ``due``: the wall time a data frame should have left; how late it leaves is stamped
         into its head (``write_late_s``) when it is written, at the corked block's end."""
         head = frame.head  # prepared by the sender (``sized_frame``), or encoded here
         if head is None or len(frame.payload) + frame.pad_len > self.max_payload:
             head = encode_header(frame, self.max_payload)
+        nbytes = len(head) + len(frame.payload) + frame.pad_len
+        off = st = None
         if due is not None and isinstance(frame.msg, TENSOR_MESSAGES):
             head = bytearray(head)
             off, st = write_late_field(type(frame.msg))
-            if self._corked:
-                self._stamps.append((head, off, st, due))
-            else:
-                st.pack_into(head, off, self._late(time.monotonic(), due))
+        else:
+            due = None
+        if self._corked:
+            self._stamps.append((dst, nbytes, due, modeled, head, off, st))
+        else:
+            self._depart(time.monotonic(), dst, nbytes, due, modeled, head, off, st)
         parts = [head]
         if len(frame.payload):
             parts.append(frame.payload)
@@ -234,7 +259,33 @@ class Transport:
             self._pending.setdefault(tr, []).extend(parts)
         else:
             tr.write(b"".join(parts))
-        return len(head) + len(frame.payload) + frame.pad_len
+        return nbytes
+
+    def _depart(self, now: float, dst: int, nbytes: int, due: float | None, modeled: bool,
+                head, off, st) -> None:
+        """A frame of ``nbytes`` written to ``dst`` at ``now``: its start on the real link
+        (behind what was written before it, at the shaped rate) against its start on the
+        model's (its due time, behind the modeled frames before it); the difference is
+        stamped into a data frame's head as ``write_late_s``. Frames the simulator does not
+        send (``modeled=False``) and control frames take real link time only."""
+        spb = self.link_s_per_byte.get(dst)
+        tx = nbytes * spb if spb else 0.0
+        free = self._real_free.get(dst, 0.0)
+        start = free if free > now else now
+        if spb:
+            self._real_free[dst] = start + tx
+        if due is None:
+            return
+        model = due
+        if spb:
+            mfree = self._model_free.get(dst, 0.0)
+            if mfree > model:
+                model = mfree
+            if modeled:
+                self._model_free[dst] = model + tx
+        late = self._late(start, model)
+        self.late_vs_write += late - (now - due if now > due else 0.0)
+        st.pack_into(head, off, late)
 
     @property
     def is_corked(self) -> bool:
@@ -253,8 +304,8 @@ class Transport:
             self._corked -= 1
             if not self._corked and self._stamps:
                 now = time.monotonic()
-                for head, off, st, due in self._stamps:
-                    st.pack_into(head, off, self._late(now, due))
+                for stamp in self._stamps:
+                    self._depart(now, *stamp)
                 self._stamps.clear()
             if not self._corked and self._pending:
                 pending, self._pending = self._pending, {}
@@ -267,16 +318,18 @@ class Transport:
         self.late_written.append(late)
         return late
 
-    def send(self, dst: int, frame: Frame, due: float | None = None) -> bool:
+    def send(self, dst: int, frame: Frame, due: float | None = None, modeled: bool = True) -> bool:
         """Queue ``frame`` for ``dst``; False if that peer is known to be gone. Frames to
         ``dst`` are numbered 1, 2, ... in ``sent_frames``; the peer's ``received_frames``
         counts the same frames, so its count acknowledges them (a cut link drops what
         was queued after the peer's last acknowledgement without an error). ``due``: the
-        wall time a data frame should leave (its model send time), for ``write_late_s``."""
+        wall time a data frame should leave (its model send time), for ``write_late_s``;
+        ``modeled=False``: a frame the simulator does not send (it occupies the real link
+        only)."""
         tr = self.out.get(dst)
         if tr is None or dst in self.lost or tr.is_closing():
             return False
-        self.sent_bytes += self._write(tr, frame, due)
+        self.sent_bytes += self._write(tr, frame, dst, due, modeled)
         self.sent_frames[dst] = self.sent_frames.get(dst, 0) + 1
         return True
 

@@ -156,6 +156,12 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
     def wall(self, t_model: float) -> float:
         return self.t0 + t_model * self.T
 
+    def _link_s_per_byte(self) -> dict[int, float]:
+        """Wall seconds a byte of a frame takes on each outgoing link, shaped at B/T with
+        TCP/IP's framing (the simulator's ``msg / (B x payload efficiency)``, dilated)."""
+        bw, eff = self.setup.cluster.bandwidth, self.spec.sim.payload_efficiency
+        return {n: self.T / (bw[self.rank][n] * eff) for n in range(self.N) if n != self.rank}
+
     # -- start-up ------------------------------------------------------------------
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -186,7 +192,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         self.net = Transport(self.rank, self.cfg.port, self.cfg.peers, self.cfg.delays_in,
                              self._on_frame, self._peer_lost, secret, log=self._log,
                              hold_scale=self.T if self.holds is not None else 0.0,
-                             absorb_late=self.spec.emu.late_writes == "absorbed")
+                             absorb_late=self.spec.emu.late_writes == "absorbed",
+                             link_s_per_byte=self._link_s_per_byte())
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up
@@ -282,10 +289,13 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "wire_errors": self.net.wire_errors, "auth_failures": self.net.auth_failures,
                 "spoofed_frames": self.net.spoofed_frames, "bytes_sent": self.net.sent_bytes,
                 "delivery_late_mean_ms": self.net.late_deliveries / max(1, self.net.frames_in) * 1e3,
-                # wall ms per data frame: how late this worker wrote its own, and how late the
-                # received ones were written, split into what the delay line absorbed and not
+                # wall ms per data frame: how late this worker's own left their links (and that
+                # less their write lateness), and how late the received ones left theirs, split
+                # into what the delay line absorbed and not
                 **{f"write_late_ms_{q}": float(np.percentile(self.net.late_written, qv) * 1e3)
                    if self.net.late_written else 0.0 for q, qv in (("p50", 50), ("p99", 99), ("max", 100))},
+                "write_late_vs_write_mean_ms": self.net.late_vs_write
+                / max(1, len(self.net.late_written)) * 1e3,
                 "write_late_absorbed_mean_ms": self.net.late_absorbed
                 / max(1, self.net.data_frames_in) * 1e3,
                 "write_late_exposed_mean_ms": self.net.late_exposed

@@ -104,7 +104,8 @@ class Peers:
         then (no link to cross), not when the event loop got round to sending it, so the
         worker's own Python time does not move its jobs' arrival (as in the simulator).
         To a peer, ``at`` is also when the frame was due to leave: the transport stamps how
-        late it was written (``write_late_s``), which the receiver's delay line absorbs.
+        much later it left its link than the model's departure (``write_late_s``), which the
+        receiver's delay line absorbs.
         ``modeled=False``: a frame the simulator does not send (the HIDDEN frame for an
         aggregator that runs none of the layer's experts: the header alone where the one
         participant folds the residual into its partial, else the state, which a real
@@ -118,7 +119,7 @@ class Peers:
         if (self.holds is not None and at is not None and modeled
                 and isinstance(frame.msg, TENSOR_MESSAGES)):
             frame = self._held(dst, frame, at)
-        ok = self.net.send(dst, frame, None if at is None else self.wall(at))
+        ok = self.net.send(dst, frame, None if at is None else self.wall(at), modeled)
         if ok:
             self.stats["frames_out"] += 1
             if resolve is not None:
