@@ -597,28 +597,46 @@ def test_an_older_requests_job_delivered_late_for_another_layer_is_counted():
     assert s.stats.missed == 1
 
 
+class _Wire:
+    """An asyncio transport's write side: what a sender wrote, in order."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def write(self, b):
+        self.data += b
+
+    def is_closing(self):
+        return False
+
+
+def _hidden():
+    from testbed.emu.wire import Hidden, Pick
+    return Hidden(0, 9, 1, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), ())
+
+
+_HIDDEN = _hidden()
+
+
+def _sender(link_s_per_byte=None):
+    """Worker 0's transport with a written-to connection to worker 1."""
+    from testbed.emu.transport import Transport
+    sender = Transport(0, 0, {1: ("h", 1)}, [0.0, 0.0], lambda f, a: None, lambda p, why: None,
+                       b"s" * 16, link_s_per_byte=link_s_per_byte)
+    wire = sender.out[1] = _Wire()
+    return sender, wire
+
+
 def test_a_late_write_is_stamped_and_the_receivers_delay_line_absorbs_it():
     """The sender stamps how late it wrote a data frame after its model send time (at the
     corked block's end, where the bytes leave); the receiver's delay line starts at the
     due time as far as the link's delay covers it (``emu.late_writes: absorbed``), and at
     the arrival with ``exposed``. Control frames carry no stamp."""
     from testbed.emu.transport import Transport
-    from testbed.emu.wire import FrameDecoder, Hidden, Pick, tensor_frame
+    from testbed.emu.wire import FrameDecoder, tensor_frame
 
-    class Wire:  # an asyncio transport's write side
-        def __init__(self):
-            self.data = bytearray()
-
-        def write(self, b):
-            self.data += b
-
-        def is_closing(self):
-            return False
-
-    m = Hidden(0, 9, 1, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), ())
-    sender = Transport(0, 0, {1: ("h", 1)}, [0.0, 0.0], lambda f, a: None, lambda p, why: None,
-                       b"s" * 16)
-    wire = sender.out[1] = Wire()
+    m = _HIDDEN
+    sender, wire = _sender()
     now = time.monotonic()
     with sender.corked():
         assert sender.send(1, tensor_frame(m, torch.zeros(4)), due=now - 0.004)
@@ -662,28 +680,13 @@ def test_a_late_frame_onto_a_busy_link_is_stamped_with_its_departures_lateness_a
     late leaves 30 ms late; one the simulator does not send takes real link time only; one
     written early waits behind the real queue. Stamped from the write alone (885b7ee), the
     second would read 25 ms and be handed on 5 ms early."""
-    from testbed.emu.transport import Transport
-    from testbed.emu.wire import FrameDecoder, Hidden, Pick, tensor_frame
+    from testbed.emu.wire import FrameDecoder, tensor_frame
 
-    class Wire:
-        def __init__(self):
-            self.data = bytearray()
-
-        def write(self, b):
-            self.data += b
-
-        def is_closing(self):
-            return False
-
-    m = Hidden(0, 9, 1, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), ())
-    probe = Transport(0, 0, {1: ("h", 1)}, [0.0, 0.0], lambda f, a: None, lambda p, why: None,
-                      b"s" * 16)
-    probe.out[1] = Wire()
+    m = _HIDDEN
+    probe, _ = _sender()
     probe.send(1, tensor_frame(m, torch.zeros(4)))
     nbytes = probe.sent_bytes  # one frame's bytes: it takes 10 ms on the link below
-    sender = Transport(0, 0, {1: ("h", 1)}, [0.0, 0.0], lambda f, a: None, lambda p, why: None,
-                       b"s" * 16, link_s_per_byte={1: 0.010 / nbytes})
-    wire = sender.out[1] = Wire()
+    sender, wire = _sender({1: 0.010 / nbytes})
     t = time.monotonic()
     with sender.corked():
         sender.send(1, tensor_frame(m, torch.zeros(4)), due=t - 0.030)  # A: idle link
