@@ -196,7 +196,7 @@ class Transport:
         #: stamped): negative where the model's link was still busy, positive where the real
         #: one carried an earlier frame's lateness
         self.late_vs_write = 0.0
-        #: received data frames' write lateness (s), summed: hidden by the delay line, and not
+        #: received data frames' stamped lateness (s), summed: hidden by the delay line, and not
         self.late_absorbed = 0.0
         self.late_exposed = 0.0
         self.data_frames_in = 0
@@ -337,8 +337,8 @@ class Transport:
         """Hand ``frame`` on after its link's delay and its congestion-window wait. A data
         frame (hidden state, partial, token) never goes before one that ``src`` sent ahead
         of it, as on the simulator's link, where a message queues behind the earlier ones.
-        Each frame's due time is its own arrival plus its delay (less the lateness of its
-        write, ``emu.late_writes: absorbed``, as far as the delay covers it), and an
+        Each frame's due time is its own arrival plus its delay (less how late it left
+        its link, ``emu.late_writes: absorbed``, as far as the delay covers it), and an
         arrival carries the hosts' wall-time noise, so a frame could fall due before a group sent ahead of it:
         on asym5's Prism at 80 req/s (T = 127) a one-token frame overtook the 16-frame group
         it queued behind on the simulator (7 us after it there, 10 us before it here), and
