@@ -3,7 +3,10 @@
 The README's agreement tables were copied from the printed rows by hand; this renders them
 from the file the check wrote, so a table says exactly what the run measured (ratios as
 ``agree-sweep`` computes them: emulator over simulator, NaN where a side finished no
-measured request). Reads results only.
+measured request). Where the check ran jittered twins (``--sim-band``), the last column is
+the emulator against the simulator's ensemble (``testbed.agreement.ensemble_side``); for
+pooled seeds the next says what their bootstrap interval decides (``SeedInterval``).
+Reads results only.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ import json
 import math
 from pathlib import Path
 
+from testbed.agreement import TOL, TOL_WORK, SeedInterval
+
 HEADER = ("| router | req/s | T | cut at (s) | finished (of measured) | mean ms | ratio | P99 ms "
-          "| ratio | token-layers done by the cut | ratio | within |")
+          "| ratio | token-layers done by the cut | ratio | within | within the ensemble "
+          "| over the seeds (95%) |")
 
 
 def _ratio(a: float, b: float) -> float:
@@ -26,6 +32,35 @@ def _pair(pair: list, fmt: str) -> tuple[str, str]:
     if a is None or b is None or a != a or b != b:
         return "-", "-"
     return f"{a:{fmt}} / {b:{fmt}}", f"{_ratio(a, b):.3f}"
+
+
+def _ensemble(c: dict) -> str:
+    """The emulator against the simulator's ensemble (exact and jittered twins pooled):
+    ``yes`` / ``**no**`` and the ratios it checked, ``-`` where the check ran no band."""
+    e = c.get("ensemble")
+    if not e:
+        return "-"
+    both = e["requests"][0] and e["requests"][1]
+    ratios = [f"{name} {_ratio(*e[key]):.3f}" for name, key, on in (
+        ("mean", "mean_ms", both), ("P99", "p99_ms", both), ("work", "work", e["cut"])) if on]
+    ok = e["ok_mean"] and e["ok_p99"] and e["ok_work"]
+    return f"{'yes' if ok else '**no**'} ({', '.join(ratios)})" if ratios else (
+        "yes" if ok else "**no**")
+
+
+def _seeds(c: dict) -> str:
+    """The seeds' bootstrap interval of the mean ratio (and of the work's, where a run was
+    cut) and what it decides; ``-`` for one seed."""
+    d = c.get("seed_ci")
+    if not d:
+        return "-"
+    ci = SeedInterval(d["seeds"], tuple(d["mean"]), tuple(d["work"]))
+    parts = []
+    if c["requests"][0] and c["requests"][1]:
+        parts.append(("mean", ci.mean, ci.verdict(TOL[c["kind"]][0], "mean")))
+    if c["cut"]:
+        parts.append(("work", ci.work, ci.verdict(TOL_WORK, "work")))
+    return "; ".join(f"{name} {lo:.3f}-{hi:.3f} ({v})" for name, (lo, hi), v in parts) or "-"
 
 
 def row(point: dict) -> str:
@@ -44,7 +79,7 @@ def row(point: dict) -> str:
     router = c["router"] + (f" ({seeds} seeds)" if seeds > 1 else "")
     return (f"| {router} | {point['rate_per_s']:g} | {'-' if dil is None else f'{dil:g}'} | "
             f"{'-' if cut is None else f'{cut:.2f}'} | {finished} | {mean} | {mean_r} | {p99} | "
-            f"{p99_r} | {work} | {work_r} | {ok} |")
+            f"{p99_r} | {work} | {work_r} | {ok} | {_ensemble(c)} | {_seeds(c)} |")
 
 
 def table(points: list[dict]) -> str:
@@ -52,10 +87,12 @@ def table(points: list[dict]) -> str:
     points = sorted(points, key=lambda p: (p["check"]["router"], p["rate_per_s"]))
     within = sum(bool(p["ok"]) for p in points)
     banded = sum(bool(p["ok"]) or bool(p.get("in_band")) for p in points)
+    ensemble = sum(bool(p.get("ok_ensemble")) for p in points)
     sep = "|" + "---|" * HEADER.count(" | ") + "---|"
     lines = [HEADER, sep, *(row(p) for p in points), "",
              f"{within} of {len(points)} within tolerance"
-             + (f"; {banded} within or inside the simulator's jitter band"
+             + (f"; {banded} within or inside the simulator's jitter band; {ensemble} within "
+                f"tolerance of the simulator's ensemble"
                 if any(p.get("in_band") is not None for p in points) else "")]
     return "\n".join(lines)
 

@@ -233,7 +233,9 @@ def agree(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
           sim_band: list[float] = typer.Option([], help="also run the simulator with this mean "
                                                "random delay per hop (s; repeat for several) and "
                                                "report the range its metrics take: how far the "
-                                               "point's schedule moves under tiny timing noise")
+                                               "point's schedule moves under tiny timing noise; "
+                                               "the emulator is also checked against these runs "
+                                               "and the exact one pooled (the ensemble)")
           ) -> None:
     """Emulator vs simulator on one spec, and the emulator at T vs 2T; non-zero exit when out of tolerance."""
     from .agreement import agreement, band_error, format_rows
@@ -262,8 +264,10 @@ def agree_sweep(sweep: Path = typer.Argument(..., help="an emulated sweep's fold
                 sim_band: list[float] = typer.Option([], help="also run each "
                                                      "point's simulated twins with this mean "
                                                      "per-hop jitter, seconds (repeatable), and "
-                                                     "say whether the emulator lies in their range"),
-                quiet: bool = typer.Option(False, help="no progress bars")) -> None:
+                                                     "say whether the emulator lies in their range "
+                                                     "and within tolerance of them and the exact "
+                                                     "twin pooled (the ensemble)"),
+                quiet: bool = typer.Option(False, help="no progress bar")) -> None:
     """Every emulated point of a sweep against the simulator on its own resolved specs, cut
     where each emulated run stopped, its seeds pooled; non-zero exit when out of tolerance."""
     from .agreement import band_error, format_points, sweep_agreement

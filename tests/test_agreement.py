@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from testbed.agreement import TOL, _compare, _side, format_rows
@@ -151,6 +152,76 @@ def test_agree_sweep_pools_a_points_seeds_and_runs_the_missing_ones(tmp_path, mo
 
 
 
+def test_agree_sweep_draws_one_bar_over_its_points_not_one_per_run(tmp_path, monkeypatch, capsys):
+    """With progress on, every run it starts is quiet and one bar counts the points, naming
+    the run under way: a bar per simulated twin made logs hundreds of lines long."""
+    import testbed.agreement as agreement
+    from testbed.agreement import sweep_agreement
+    _stand_in(SPEC, tmp_path / "sweep" / "name=edgeshard" / "seed0")
+    flags = []
+
+    def run_experiment(spec, out, progress=True):
+        flags.append(progress)
+        if spec.backend == "emu":
+            _stand_in({**spec.model_dump(mode="json"), "backend": "sim"}, out)
+        else:
+            from testbed.runner import run_experiment as real
+            real(spec, out, progress=False)
+
+    monkeypatch.setattr(agreement, "run_experiment", run_experiment)
+    capsys.readouterr()
+    sweep_agreement(tmp_path / "sweep", tmp_path / "twins", progress=True, seeds=2)
+    err = capsys.readouterr().err
+    assert flags == [False, False, False]  # seed 0's twin, seed 1 emulated, seed 1's twin
+    assert "agree-sweep" in err and "1/1" in err and "[sim]" not in err
+    assert "name=edgeshard/emu-seed1 (emulated)" in err
+
+def test_the_seeds_interval_says_agrees_disagrees_or_undecided():
+    from testbed.agreement import seed_interval
+    lat = [np.array([0.5, 0.6]), np.array([0.7]), np.array([0.4, 0.5, 0.6])]
+    same = seed_interval([(x, 100) for x in lat], [(x, 100) for x in lat])
+    assert same.seeds == 3 and same.mean == (1.0, 1.0) and same.work == (1.0, 1.0)
+    assert same.verdict(0.05, "mean") == "agrees" == same.verdict(0.05, "work")
+    # two seeds 10% apart either way: their pool can be anything from 0.9 to 1.1
+    split = seed_interval([(lat[0], 90), (lat[1], 110)], [(lat[0], 100), (lat[1], 100)])
+    assert split.work[0] == pytest.approx(0.9) and split.work[1] == pytest.approx(1.1)
+    assert split.verdict(0.05, "work") == "undecided at 2 seeds"
+    slow = seed_interval([(x * 1.2, 80) for x in lat], [(x, 100) for x in lat])
+    assert slow.mean[0] == pytest.approx(1.2) and slow.verdict(0.05, "mean") == "disagrees"
+    assert slow.verdict(0.05, "work") == "disagrees"
+    # a seed without a measured request: resamples of it alone have no mean
+    none = seed_interval([(np.zeros(0), 50), (lat[1], 50)], [(np.zeros(0), 50), (lat[1], 50)])
+    assert none.verdict(0.05, "mean") == "no interval" and none.verdict(0.05, "work") == "agrees"
+    # reproducible: seeded
+    assert seed_interval([(lat[0], 90), (lat[1], 110)], [(lat[0], 100), (lat[1], 100)]) == split
+
+
+def test_pooled_seeds_carry_their_interval_and_one_seed_none():
+    from testbed.agreement import compare_seeds, format_points, PointComparison
+    import pandas as pd
+    rq = lambda lat: pd.DataFrame({"request": range(len(lat)), "arrival_s": [0.1] * len(lat),  # noqa: E731
+                                   "done_s": [0.1 + x for x in lat], "latency_s": lat,
+                                   "status": ["ok"] * len(lat)})
+    tl = pd.DataFrame({"t_start": [0.0], "total_s": [0.1]})
+    runs = [((tl, rq([0.5, 0.6])), (tl, rq([0.5, 0.6])), None),
+            ((tl, rq([0.9])), (tl, rq([0.7])), None)]
+    _, one, _ = compare_seeds("r", runs[:1], 0.0, 1.0)
+    assert one.seed_ci is None
+    _, two, _ = compare_seeds("r", runs, 0.0, 1.0)
+    assert two.seed_ci.seeds == 2 and two.seed_ci.mean[1] == pytest.approx(0.9 / 0.7)
+    row = PointComparison("p/seeds 0,1", 10, None, 3, two)
+    assert "over the 2 seeds (bootstrap, 95%): mean 1.000-1.286, undecided at 2 seeds" in format_points([row])
+
+
+def test_the_ensemble_pools_latencies_and_averages_work():
+    from testbed.agreement import Side, ensemble_side
+    a = Side(np.array([1.0, 2.0]), None, [2.0, None], work=10)
+    b = Side(np.array([3.0]), None, [2.0, None], work=14)
+    e = ensemble_side([a, b])
+    assert e.latency_s.tolist() == [1.0, 2.0, 3.0] and e.work == 12 and e.cuts == [2.0, None]
+    assert e.mean_ms == pytest.approx(2000.0)
+
+
 def test_seed_spread_shows_work_ratios_where_an_overloaded_point_finishes_nothing():
     from testbed.agreement import seed_spread
     nan = float("nan")
@@ -191,7 +262,19 @@ def test_sim_band_runs_jittered_twins_and_places_the_emulator_in_their_range(tmp
     assert b.mean_ms[0] == pytest.approx(row.mean_ms[1]) and b.mean_ms[1] == pytest.approx(jit.mean_ms)
     assert jit.mean_ms > row.mean_ms[1]
     assert row.ok and row.in_band
-    assert json.loads((tmp_path / "agreement.json").read_text())[0]["band"]["jitter_s"] == [0.0, 2e-5, 1e-4]
+    # the ensemble: the emulator's side as checked, against the exact and jittered twins pooled
+    exact = _side(spec.with_overrides(agreement.SIM_TWIN), 2, tmp_path, "sim-edgeshard")
+    mid = _side(spec.with_overrides({**agreement.SIM_TWIN, "sim.hop_jitter_s": 2e-5}), 2, tmp_path,
+                "sim-edgeshard-jitter2e-05")
+    pooled = np.concatenate([exact.latency_s, mid.latency_s, jit.latency_s])
+    e = row.ensemble
+    assert e.kind == "emu/ensemble" and e.mean_ms[0] == row.mean_ms[0]
+    assert e.mean_ms[1] == pytest.approx(pooled.mean() * 1e3) and e.mean_ms[1] > row.mean_ms[1]
+    assert e.requests == (row.requests[0], pooled.size) and row.ok_ensemble is e.ok
+    saved = json.loads((tmp_path / "agreement.json").read_text())[0]
+    assert saved["band"]["jitter_s"] == [0.0, 2e-5, 1e-4] and saved["ok_ensemble"] is e.ok
+    assert saved["ensemble"]["mean_ms"][1] == pytest.approx(e.mean_ms[1])
+    assert "against the simulator's ensemble (3 runs per seed pooled): mean " in format_rows([row])
     assert "100 us of mean hop jitter" in format_rows([row]) and "is inside it" in format_rows([row])
     # a mean out of tolerance: inside the band passes the band check, outside does not
     lo, hi = 100.0, 130.0
@@ -233,8 +316,12 @@ def test_agree_sweep_sim_band_runs_each_seeds_jittered_twin_and_reuses_it(tmp_pa
     assert b.mean_ms == pytest.approx((row.check.mean_ms[1], jit_mean))
     assert b.work == (row.check.work[1], row.check.work[1])  # nothing cut: every token-layer done
     assert row.ok and row.check.in_band
+    e = row.check.ensemble  # the emulator against the exact and jittered twins pooled
+    assert e.mean_ms[0] == row.check.mean_ms[0] and e.requests[1] == 2 * row.check.requests[1]
+    assert row.check.mean_ms[1] < e.mean_ms[1] < jit_mean and e.work == row.check.work
     saved = json.loads((tmp_path / "twins" / "agreement.json").read_text())[0]
     assert saved["in_band"] is True and saved["check"]["band"]["jitter_s"] == [0.0, 1e-4]
+    assert saved["ok_ensemble"] is e.ok and "simulator's ensemble (2 runs" in format_points([row])
     assert "100 us of mean hop jitter" in format_points([row]) and "is inside it" in format_points([row])
     ran = []
     monkeypatch.setattr(agreement, "run_experiment", lambda *a, **k: ran.append(a))
