@@ -87,3 +87,19 @@ def test_the_asymmetric_fig9_spec_runs_fig9s_grid_on_asym5_prompt_only(tmp_path)
         assert {p.spec.topology for p in points} == {"asym5"}
         assert {p.spec.workload.gen_tokens for p in points} == {0}
         assert {p.values["workload.rate_per_s"] for p in points} == {10, 40, 80}
+
+
+@pytest.mark.parametrize("pooled, sweep", [
+    ("paper10-hetroute", ROOT / "analysis" / "specs" / "fig9.yaml"),
+    ("asym5-hetroute", ROOT / "specs" / "fig9-asym5.yaml"),
+    ("fbs4-prism40", ROOT / "specs" / "fig9-fbs4.yaml")])
+def test_a_pooled_spec_sweeps_its_agreement_sweeps_own_points(pooled, sweep, tmp_path):
+    """``specs/pooled/*.yaml`` (the README's pooled agreement rows) resolve, point for point,
+    to the emulated specs of the Fig. 9 agreement sweep they pool: only the folder differs."""
+    mine = expand(load_figure(ROOT / "specs" / "pooled" / f"{pooled}.yaml"), "emu", "quick", tmp_path)
+    theirs = {(p.values["router.name"], p.values["workload.rate_per_s"]): p.spec
+              for p in expand(load_figure(sweep), "emu", "quick", tmp_path)}
+    assert mine
+    for p in mine:
+        key = (p.values["router.name"], p.values["workload.rate_per_s"])
+        assert p.spec.model_dump() == theirs[key].model_dump()
