@@ -20,6 +20,12 @@ simulator's records where the emulated run of the same seed stopped (``cut_recor
 the two sides measure the same requests. ``agree-sweep`` (below) checks every point of an
 emulated sweep against the simulator on the point's own resolved spec.
 
+With ``--sim-band`` the simulator also runs under small per-hop jitters; each row then says
+where the emulator lies in their range (``Band``) and checks it against them and the exact
+run pooled (``ensemble_side``), beside the exact check. A row of pooled seeds also carries a
+bootstrap interval over the seeds (``seed_interval``) that says whether they decide the
+check. The exit status is the exact check's.
+
 Both run the simulator with ``net.control: links``: the emulator's views are its peers'
 STATE broadcasts and its feedback FEEDBACK frames, as they arrive, whatever the spec says,
 so the two sides are the same world (``SIM_TWIN``), also where a spec asks the simulator
