@@ -71,8 +71,8 @@ class Comparison:
     #: ``agree --sim-band``: the emulator against the simulator's ensemble, its exact and
     #: jittered twins pooled (``ensemble_side``), by the same tolerances
     ensemble: Comparison | None = None
-    #: ``agree-sweep`` over several seeds: how far the pooled ratios move over the seeds
-    #: drawn (``seed_interval``)
+    #: ``agree --seeds`` / ``agree-sweep`` over several seeds: how far the pooled ratios
+    #: move over the seeds drawn (``seed_interval``)
     seed_ci: SeedInterval | None = None
 
     @property
@@ -241,6 +241,8 @@ class Side:
     dilation: float | None
     cuts: list[float | None] | None = None  # per seed: where an emulated run stopped (drain cap)
     work: int = 0  # token-layers done, summed over seeds
+    #: per seed: (latencies, work), what ``seed_interval`` resamples (``_side`` keeps them)
+    parts: list[tuple[np.ndarray, int]] | None = None
 
     @property
     def mean_ms(self) -> float:
@@ -286,7 +288,7 @@ def _side(spec: ExperimentSpec, seeds: int, out: Path, name: str,
           cuts: list[float | None] | None = None) -> Side:
     """Seed s of the spec in ``<name>`` (the spec's own seed) or ``<name>-seed<s>``; seed k's
     records cut at ``cuts[k]`` (where the other side's run of that seed stopped)."""
-    lats, dil, own, work = [], None, [], 0
+    lats, dil, own, work, parts = [], None, [], 0, []
     for k in range(seeds):
         s = spec if k == 0 else spec.with_overrides({"seed": spec.seed + k})
         lat, d, c, n = _run(s, out / (name if k == 0 else f"{name}-seed{s.seed}"),
@@ -294,8 +296,9 @@ def _side(spec: ExperimentSpec, seeds: int, out: Path, name: str,
         lats.append(lat)
         own.append(c)
         work += n
+        parts.append((lat, n))
         dil = dil if dil is not None else d
-    return Side(np.concatenate(lats), dil, own, work)
+    return Side(np.concatenate(lats), dil, own, work, parts)
 
 
 def _compare(kind: str, router: str, a: Side, b: Side, seeds: int) -> Comparison:
@@ -338,6 +341,8 @@ def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 
         # the simulator runs every request home; cut it where each emulated run stopped
         sim = _side(s.with_overrides(SIM_TWIN), seeds, out, f"sim-{name}", emu.cuts)
         row = _compare("emu/sim", name, emu, sim, seeds)
+        if seeds > 1:
+            row.seed_ci = seed_interval(emu.parts, sim.parts)
         if band:
             jit = [_side(s.with_overrides({**SIM_TWIN, "sim.hop_jitter_s": j}), seeds, out,
                          f"sim-{name}-jitter{j:g}", emu.cuts) for j in band]
@@ -372,6 +377,8 @@ def format_rows(rows: list[Comparison]) -> str:
         if r.band is not None:
             lines.append(f"         {r.band.describe()}; the emulator {r.band_verdict()}")
             lines.append(f"         {r.ensemble_line()}")
+        if r.seed_ci is not None:
+            lines.append(f"         {seed_interval_line(r)}")
     return "\n".join(lines)
 
 

@@ -275,6 +275,9 @@ def test_sim_band_runs_jittered_twins_and_places_the_emulator_in_their_range(tmp
     assert saved["band"]["jitter_s"] == [0.0, 2e-5, 1e-4] and saved["ok_ensemble"] is e.ok
     assert saved["ensemble"]["mean_ms"][1] == pytest.approx(e.mean_ms[1])
     assert "against the simulator's ensemble (3 runs per seed pooled): mean " in format_rows([row])
+    # two seeds pooled: the interval over them (stand-in and twin are one run: exactly 1)
+    assert row.seed_ci.seeds == 2 and row.seed_ci.mean == (1.0, 1.0)
+    assert "over the 2 seeds (bootstrap, 95%): mean 1.000-1.000, agrees" in format_rows([row])
     assert "100 us of mean hop jitter" in format_rows([row]) and "is inside it" in format_rows([row])
     # a mean out of tolerance: inside the band passes the band check, outside does not
     lo, hi = 100.0, 130.0
