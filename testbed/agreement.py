@@ -317,6 +317,15 @@ def _compare(kind: str, router: str, a: Side, b: Side, seeds: int) -> Comparison
                       (a.work, b.work), cut, bool(ok_work))
 
 
+def _with_band(check: Comparison, emu: Side, exact: Side, jitter_s: tuple[float, ...],
+               jittered: list[Side]) -> None:
+    """Give ``check`` the simulator's ``Band`` over its exact and jittered twins and the
+    emulator's comparison with their ensemble (``--sim-band``)."""
+    sims = [exact, *jittered]
+    check.band = Band.of((0.0, *jitter_s), sims)
+    check.ensemble = _compare("emu/ensemble", check.router, emu, ensemble_side(sims), check.seeds)
+
+
 def band_error(band: tuple[float, ...] | list[float]) -> str | None:
     """What is wrong with ``--sim-band``'s jitters (each in (0, 1 ms]), or None."""
     if any(not 0 < j <= 1e-3 for j in band):
@@ -344,10 +353,9 @@ def agreement(spec: ExperimentSpec, routers: list[str], out: Path, seeds: int = 
         if seeds > 1:
             row.seed_ci = seed_interval(emu.parts, sim.parts)
         if band:
-            jit = [_side(s.with_overrides({**SIM_TWIN, "sim.hop_jitter_s": j}), seeds, out,
-                         f"sim-{name}-jitter{j:g}", emu.cuts) for j in band]
-            row.band = Band.of((0.0, *band), [sim, *jit])
-            row.ensemble = _compare("emu/ensemble", name, emu, ensemble_side([sim, *jit]), seeds)
+            _with_band(row, emu, sim, tuple(band), [
+                _side(s.with_overrides({**SIM_TWIN, "sim.hop_jitter_s": j}), seeds, out,
+                      f"sim-{name}-jitter{j:g}", emu.cuts) for j in band])
         rows.append(row)
         if i == 0 and double_t and emu.dilation:
             emu2 = _side(s.with_overrides({"backend": "emu", "emu.dilation": 2 * emu.dilation}),
@@ -421,12 +429,14 @@ def cut_records(tl: pd.DataFrame, rq: pd.DataFrame, cut_s: float | None
 
 def compare_seeds(router: str, runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame],
                                                 tuple[pd.DataFrame, pd.DataFrame], float | None]],
-                  warmup_s: float, duration_s: float, dilation: float | None = None
+                  warmup_s: float, duration_s: float, dilation: float | None = None,
+                  band: tuple[tuple[float, ...], list[Side]] | None = None
                   ) -> tuple[int, Comparison, list[tuple[int, float, float, int, int]]]:
     """Seeds' emulated records (as recorded) against their simulated ones, each simulated
     run cut where its emulated run stopped, pooled: how many requests the window measures
     over all seeds, the pooled check, and each seed's (index, emulated mean ms, simulated
-    mean ms, emulated and simulated token-layers done by the cut)."""
+    mean ms, emulated and simulated token-layers done by the cut). ``band``: the jitters and
+    their twins pooled (``_pooled``), for the check's band and ensemble (``_with_band``)."""
     emu, sim, cuts, per_seed, n_all = [], [], [], [], 0
     for k, (e, s, cut) in enumerate(runs):
         le, n, we = _measure(*e, None, warmup_s, duration_s)
@@ -437,17 +447,20 @@ def compare_seeds(router: str, runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame
         n_all += n
         mean = lambda x: round(float(x.mean() * 1e3), 1) if x.size else float("nan")  # noqa: E731
         per_seed.append((k, mean(le), mean(ls), we, ws))
-    check = _compare("emu/sim", router, _pool(emu, dilation, cuts), _pool(sim, None, cuts),
-                     len(runs))
+    emu_side, sim_side = _pool(emu, dilation, cuts), _pool(sim, None, cuts)
+    check = _compare("emu/sim", router, emu_side, sim_side, len(runs))
     if len(runs) > 1:
         check.seed_ci = seed_interval(emu, sim)
+    if band:
+        _with_band(check, emu_side, sim_side, *band)
     return n_all, check, per_seed
 
 
 def _pool(parts: list[tuple[np.ndarray, int]], dilation: float | None,
           cuts: list[float | None]) -> Side:
     """Seeds' (latencies, token-layers done) as one ``Side``."""
-    return Side(np.concatenate([p[0] for p in parts]), dilation, cuts, sum(p[1] for p in parts))
+    return Side(np.concatenate([p[0] for p in parts]), dilation, cuts, sum(p[1] for p in parts),
+                list(parts))
 
 
 def compare_point(router: str, emu: tuple[pd.DataFrame, pd.DataFrame],
@@ -526,15 +539,10 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
                        f"simulated, {j:g} s jitter")
                 jittered.setdefault(j, []).append((read_records(jt), cuts[-1]))
         w = base.workload
-        measured_n, check, per = compare_seeds(base.router.name, pairs, w.warmup_s, w.duration_s, dil)
-        if band:
-            exact = _pooled([(s, c) for _, s, c in pairs], w.warmup_s, w.duration_s)
-            sims = [exact, *(_pooled(jittered[j], w.warmup_s, w.duration_s) for j in band)]
-            check.band = Band.of((0.0, *band), sims)
-            emu = _pool([(lat, work) for lat, _, work in (
-                _measure(*e, None, w.warmup_s, w.duration_s) for e, _, _ in pairs)], dil, cuts)
-            check.ensemble = _compare("emu/ensemble", base.router.name, emu,
-                                      ensemble_side(sims), len(runs))
+        jit = (tuple(band), [_pooled(jittered[j], w.warmup_s, w.duration_s) for j in band]
+               ) if band else None
+        measured_n, check, per = compare_seeds(base.router.name, pairs, w.warmup_s, w.duration_s,
+                                               dil, jit)
         per_seed = [(runs[k][1].seed, *rest) for k, *rest in per]
         name = (str(have[0][0].relative_to(sweep_dir)) if len(runs) == 1 else
                 f"{rel}/seeds {','.join(str(r[1].seed) for r in runs)}")
