@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from testbed.agreement import TOL, TOL_WORK, SeedInterval
+from testbed.agreement import SeedInterval, checked_ratios
 
 HEADER = ("| router | req/s | T | cut at (s) | finished (of measured) | mean ms | ratio | P99 ms "
           "| ratio | token-layers done by the cut | ratio | within | within the ensemble "
@@ -40,9 +40,8 @@ def _ensemble(c: dict) -> str:
     e = c.get("ensemble")
     if not e:
         return "-"
-    both = e["requests"][0] and e["requests"][1]
-    ratios = [f"{name} {_ratio(*e[key]):.3f}" for name, key, on in (
-        ("mean", "mean_ms", both), ("P99", "p99_ms", both), ("work", "work", e["cut"])) if on]
+    ratios = [f"{name} {r:.3f}" for name, r in
+              checked_ratios(e["mean_ms"], e["p99_ms"], e["work"], e["requests"], e["cut"])]
     ok = e["ok_mean"] and e["ok_p99"] and e["ok_work"]
     return f"{'yes' if ok else '**no**'} ({', '.join(ratios)})" if ratios else (
         "yes" if ok else "**no**")
@@ -55,11 +54,7 @@ def _seeds(c: dict) -> str:
     if not d:
         return "-"
     ci = SeedInterval(d["seeds"], tuple(d["mean"]), tuple(d["work"]))
-    parts = []
-    if c["requests"][0] and c["requests"][1]:
-        parts.append(("mean", ci.mean, ci.verdict(TOL[c["kind"]][0], "mean")))
-    if c["cut"]:
-        parts.append(("work", ci.work, ci.verdict(TOL_WORK, "work")))
+    parts = ci.judged(c["requests"], c["cut"], c["kind"])
     return "; ".join(f"{name} {lo:.3f}-{hi:.3f} ({v})" for name, (lo, hi), v in parts) or "-"
 
 

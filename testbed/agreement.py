@@ -90,10 +90,8 @@ class Comparison:
         e = self.ensemble
         if e is None:
             return ""
-        parts = [f"{name} {_ratio(*pair):.3f}" for name, pair, on in (
-            ("mean", e.mean_ms, e.requests[0] and e.requests[1]),
-            ("P99", e.p99_ms, e.requests[0] and e.requests[1]), ("token-layers", e.work, e.cut))
-            if on]
+        parts = [f"{'token-layers' if name == 'work' else name} {r:.3f}"
+                 for name, r in checked_ratios(e.mean_ms, e.p99_ms, e.work, e.requests, e.cut)]
         return (f"against the simulator's ensemble ({len(self.band.jitter_s)} runs per seed "
                 f"pooled): {', '.join(parts) or 'no metric'}: "
                 f"{'within tolerance' if e.ok else 'out of tolerance'}")
@@ -125,6 +123,14 @@ class Comparison:
         return "is inside it" if every else "is within tolerance where outside it"
 
 
+def checked_ratios(mean_ms, p99_ms, work, requests, cut: bool) -> list[tuple[str, float]]:
+    """The (metric, emu/sim ratio) pairs a check reads: mean and P99 where both sides
+    finished measured requests, the work by the cut where a run was cut."""
+    both = bool(requests[0] and requests[1])
+    return [(name, _ratio(*pair)) for name, pair, on in (
+        ("mean", mean_ms, both), ("P99", p99_ms, both), ("work", work, cut)) if on]
+
+
 BOOTSTRAP = 2000  # resamples of the seeds behind ``seed_interval``
 
 
@@ -144,6 +150,17 @@ class SeedInterval:
     seeds: int
     mean: tuple[float, float]  # NaN where a resample has no measured request on a side
     work: tuple[float, float]
+
+    def judged(self, requests, cut: bool, kind: str = "emu/sim"
+               ) -> list[tuple[str, tuple[float, float], str]]:
+        """(metric, interval, verdict) for what the check reads: the mean where both sides
+        finished measured requests, the work by the cut where a run was cut."""
+        out = []
+        if requests[0] and requests[1]:
+            out.append(("mean", self.mean, self.verdict(TOL[kind][0], "mean")))
+        if cut:
+            out.append(("work", self.work, self.verdict(TOL_WORK, "work")))
+        return out
 
     def verdict(self, tol: float, metric: str) -> str:
         lo, hi = self.mean if metric == "mean" else self.work
@@ -570,16 +587,13 @@ def _ratio(a: float, b: float) -> float:
 
 def seed_interval_line(c: Comparison) -> str:
     """The seeds' bootstrap interval of the ratios the check reads, and what it decides."""
-    ci, (tm, _) = c.seed_ci, TOL[c.kind]
-    parts = []
-    if c.requests[0] and c.requests[1]:
-        parts.append(("mean", ci.mean, ci.verdict(tm, "mean")))
-    if c.cut:
-        parts.append(("token-layers", ci.work, ci.verdict(TOL_WORK, "work")))
+    ci = c.seed_ci
+    parts = ci.judged(c.requests, c.cut, c.kind)
     if not parts:
         return f"over the {ci.seeds} seeds: no ratio to bound"
     return (f"over the {ci.seeds} seeds (bootstrap, 95%): " + "; ".join(
-        f"{name} {lo:.3f}-{hi:.3f}, {verdict}" for name, (lo, hi), verdict in parts))
+        f"{'token-layers' if name == 'work' else name} {lo:.3f}-{hi:.3f}, {verdict}"
+        for name, (lo, hi), verdict in parts))
 
 
 def seed_spread(per_seed: list[tuple[int, float, float, int, int]], cut: bool) -> str:
