@@ -12,18 +12,13 @@ Reads results only.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-from testbed.agreement import SeedInterval, checked_ratios
+from testbed.agreement import SeedInterval, checked_ratios, ratio
 
 HEADER = ("| router | req/s | T | cut at (s) | finished (of measured) | mean ms | ratio | P99 ms "
           "| ratio | token-layers done by the cut | ratio | within | within the ensemble "
           "| over the seeds (95%) |")
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else math.nan
 
 
 def _pair(pair: list, fmt: str) -> tuple[str, str]:
@@ -31,7 +26,7 @@ def _pair(pair: list, fmt: str) -> tuple[str, str]:
     a, b = pair
     if a is None or b is None or a != a or b != b:
         return "-", "-"
-    return f"{a:{fmt}} / {b:{fmt}}", f"{_ratio(a, b):.3f}"
+    return f"{a:{fmt}} / {b:{fmt}}", f"{ratio(a, b):.3f}"
 
 
 def _ensemble(c: dict) -> str:

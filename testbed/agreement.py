@@ -127,7 +127,7 @@ def checked_ratios(mean_ms, p99_ms, work, requests, cut: bool) -> list[tuple[str
     """The (metric, emu/sim ratio) pairs a check reads: mean and P99 where both sides
     finished measured requests, the work by the cut where a run was cut."""
     both = bool(requests[0] and requests[1])
-    return [(name, _ratio(*pair)) for name, pair, on in (
+    return [(name, ratio(*pair)) for name, pair, on in (
         ("mean", mean_ms, both), ("P99", p99_ms, both), ("work", work, cut)) if on]
 
 
@@ -391,11 +391,11 @@ def format_rows(rows: list[Comparison]) -> str:
     for r in rows:
         tm, tp = TOL[r.kind]
         cut = (f"; cut at a drain cap: token-layers done {r.work[0]}/{r.work[1]} "
-               f"{_ratio(*r.work):.3f}, tolerance {TOL_WORK:.0%}") if r.cut else ""
+               f"{ratio(*r.work):.3f}, tolerance {TOL_WORK:.0%}") if r.cut else ""
         lines.append(
             f"{r.kind:8} {r.router:14} {r.mean_ms[0]:8.1f}/{r.mean_ms[1]:8.1f} "
-            f"{_ratio(*r.mean_ms):6.3f} {r.p99_ms[0]:8.1f}/{r.p99_ms[1]:8.1f} "
-            f"{_ratio(*r.p99_ms):6.3f} {str(r.dilation[0] or '-'):>4}/{str(r.dilation[1] or '-'):<4} "
+            f"{ratio(*r.mean_ms):6.3f} {r.p99_ms[0]:8.1f}/{r.p99_ms[1]:8.1f} "
+            f"{ratio(*r.p99_ms):6.3f} {str(r.dilation[0] or '-'):>4}/{str(r.dilation[1] or '-'):<4} "
             f"{r.requests[0]:>4}/{r.requests[1]:<4} "
             f"{'ok' if r.ok else 'NO'} (tolerance {tm:.0%} mean, "
             f"{tp:.0%} P99{f'; {r.seeds} seeds pooled' if r.seeds > 1 else ''}{cut})")
@@ -581,7 +581,8 @@ def _pooled(runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame], float | None]], 
     return _pool([(lat, work) for lat, _, work in parts], None, [c for _, c in runs])
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
+    """Emulator over simulator; NaN where the simulator's side is zero or NaN."""
     return a / b if b and b == b else float("nan")
 
 
@@ -620,9 +621,9 @@ def format_points(rows: list[PointComparison]) -> str:
             f"{c.router:13} {r.rate_per_s:5g} {str(c.dilation[0] or '-'):>4} "
             f"{'-' if r.cut_s is None else f'{r.cut_s:.2f}':>5} "
             f"{f'{c.requests[0]}/{c.requests[1]} of {r.measured}':>10} "
-            f"{c.mean_ms[0]:9.1f}/{c.mean_ms[1]:9.1f} {_ratio(*c.mean_ms):6.3f} "
-            f"{c.p99_ms[0]:9.1f}/{c.p99_ms[1]:9.1f} {_ratio(*c.p99_ms):6.3f} "
-            f"{c.work[0]:8d}/{c.work[1]:<8d} {_ratio(*c.work):6.3f} {c.seeds:5d} {spread:>11}  "
+            f"{c.mean_ms[0]:9.1f}/{c.mean_ms[1]:9.1f} {ratio(*c.mean_ms):6.3f} "
+            f"{c.p99_ms[0]:9.1f}/{c.p99_ms[1]:9.1f} {ratio(*c.p99_ms):6.3f} "
+            f"{c.work[0]:8d}/{c.work[1]:<8d} {ratio(*c.work):6.3f} {c.seeds:5d} {spread:>11}  "
             f"{'ok' if r.ok else 'NO'}")
         if c.band is not None:
             lines.append(f"    {c.band.describe()}; the emulator {c.band_verdict()}")
