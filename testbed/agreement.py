@@ -270,7 +270,7 @@ class Side:
         return float(np.percentile(self.latency_s, 99) * 1e3) if self.latency_s.size else float("nan")
 
 
-def _measure(tl: pd.DataFrame, rq: pd.DataFrame, cut_s: float | None, warmup_s: float,
+def measure_cut(tl: pd.DataFrame, rq: pd.DataFrame, cut_s: float | None, warmup_s: float,
              duration_s: float) -> tuple[np.ndarray, int, int]:
     """Latencies (s) of the measured requests home by ``cut_s``, how many requests the window
     measures, and the token-layers done by ``cut_s`` (``cut_records``)."""
@@ -288,11 +288,11 @@ def _run(spec: ExperimentSpec, out: Path, cut_s: float | None = None
     if not is_done(out, spec):
         run_experiment(spec, out, progress=True)
     stats = json.loads((out / "run.json").read_text()).get("stats", {})
-    lat, _, work = _measure(*read_records(out), cut_s, spec.workload.warmup_s, spec.workload.duration_s)
-    return lat, stats.get("dilation"), _own_cut(stats), work
+    lat, _, work = measure_cut(*read_records(out), cut_s, spec.workload.warmup_s, spec.workload.duration_s)
+    return lat, stats.get("dilation"), own_cut(stats), work
 
 
-def _own_cut(stats: dict) -> float | None:
+def own_cut(stats: dict) -> float | None:
     """Where an emulated run stopped, in emulated seconds, if it reached its drain cap."""
     return float(stats["emulated_s"]) if stats.get("timed_out") else None
 
@@ -456,8 +456,8 @@ def compare_seeds(router: str, runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame
     their twins pooled (``_pooled``), for the check's band and ensemble (``_with_band``)."""
     emu, sim, cuts, per_seed, n_all = [], [], [], [], 0
     for k, (e, s, cut) in enumerate(runs):
-        le, n, we = _measure(*e, None, warmup_s, duration_s)
-        ls, _, ws = _measure(*s, cut, warmup_s, duration_s)
+        le, n, we = measure_cut(*e, None, warmup_s, duration_s)
+        ls, _, ws = measure_cut(*s, cut, warmup_s, duration_s)
         emu.append((le, we))
         sim.append((ls, ws))
         cuts.append(cut)
@@ -547,7 +547,7 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
             twin = out / rel / f"seed{spec.seed}"
             ensure(spec.with_overrides(SIM_TWIN), twin, "simulated twin")
             stats = info.get("stats", {})
-            cuts.append(_own_cut(stats))
+            cuts.append(own_cut(stats))
             pairs.append((read_records(run), read_records(twin), cuts[-1]))
             dil = dil if dil is not None else stats.get("dilation")
             for j in band:  # the jittered twins of this seed, cut where its emulated run stopped
@@ -577,7 +577,7 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
 def _pooled(runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame], float | None]], warmup_s: float,
             duration_s: float) -> Side:
     """Seeds' simulated records, each cut where its emulated run stopped, as one ``Side``."""
-    parts = [_measure(*rec, cut, warmup_s, duration_s) for rec, cut in runs]
+    parts = [measure_cut(*rec, cut, warmup_s, duration_s) for rec, cut in runs]
     return _pool([(lat, work) for lat, _, work in parts], None, [c for _, c in runs])
 
 

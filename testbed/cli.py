@@ -288,6 +288,52 @@ def agree_sweep(sweep: Path = typer.Argument(..., help="an emulated sweep's fold
         raise typer.Exit(1)
 
 
+@app.command("agree-null")
+def agree_null(point: Path = typer.Argument(..., help="an emulated run's folder (its resolved "
+                                            "spec and, where it reached its drain cap, its cut) "
+                                            "or a spec file"),
+               out: Path = typer.Option(None, help="where the simulated runs go (default: "
+                                        "<run folder>/null, or results/agree-null/<spec name>)"),
+               seeds: int = typer.Option(12, min=2, max=200, help="seeds to run, from the spec's own"),
+               jitter: float = typer.Option(1e-6, help="mean hop jitter of the stand-in for a "
+                                            "faithful emulator, seconds"),
+               cut: float = typer.Option(None, help="cut the records here, emulated seconds "
+                                         "(default: where the emulated run stopped, if it did)"),
+               quiet: bool = typer.Option(False, help="no progress bar")) -> None:
+    """The simulator under tiny hop jitter against its exact run, over growing numbers of
+    seeds: what a faithful emulator would read at this point, and how many seeds decide it."""
+    from .agreement import own_cut, band_error
+    from .agreement_null import format_null, null_agreement
+    bad = band_error([jitter])
+    if bad:
+        _fail(bad.replace("--sim-band", "--jitter"))
+        return
+    if point.is_dir():
+        if not (point / "spec.resolved.yaml").exists():
+            _fail(f"{point}: no spec.resolved.yaml (not a run folder)")
+            return
+        spec = load_spec(point / "spec.resolved.yaml")
+        info = point / "run.json"
+        if cut is None and info.exists():
+            cut = own_cut(json.loads(info.read_text()).get("stats", {}))
+        out = out or point / "null"
+    elif point.exists():
+        try:
+            spec = load_spec(point)
+        except SpecError as err:
+            _fail(str(err))
+            return
+        out = out or Path("results/agree-null") / spec.name
+    else:
+        _fail(f"{point} does not exist")
+        return
+    if cut is not None and not cut > 0:
+        _fail(f"--cut must be > 0 s, not {cut}")
+        return
+    rows = null_agreement(spec, out, seeds, jitter, cut, progress=not quiet)
+    typer.echo(format_null(rows, jitter, cut))
+
+
 @app.command("profile-decisions")
 def profile_decisions(
         fig: list[int] = typer.Option([], help="a figure whose settings to profile (repeatable)"),

@@ -1,0 +1,113 @@
+"""What a faithful emulator would read at a point: the simulator against itself (``agree-null``).
+
+An agreement check at a point whose schedule branches on microseconds (an overloaded
+HetRoute run cut at its drain cap) compares two trajectories of a chaotic system. Its
+pooled ratio then moves by more than the 5% tolerance from seed to seed even for an
+implementation that is exact up to timing noise, and ``agree-sweep``'s interval over the
+seeds says "undecided" (asym5's HetRoute at 40 req/s: work 0.859-1.155 over six seeds).
+Whether that verdict says something about the emulator or only about the point is a
+question the simulator can answer alone: run each seed exactly and under a small mean hop
+jitter (``sim.hop_jitter_s``: the jittered run stands in for a perfect emulator whose frames
+land some microseconds late), cut both where the emulated run stopped, and read the same
+pooled ratios and bootstrap interval (``seed_interval``) over the first N seeds for growing
+N. The N at which this null check is decided is the fewest seeds at which *any* faithful
+emulator could be confirmed within tolerance there; where the null check is itself
+undecided at the emulated check's seed count, an emulated "undecided" is no evidence
+against the emulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .agreement import SIM_TWIN, TOL, TOL_WORK, SeedInterval, measure_cut, ratio, seed_interval
+from .records import read_records
+from .runner import is_done, run_experiment
+from .spec import ExperimentSpec
+
+
+@dataclass
+class NullRow:
+    """The jittered simulator against the exact one over the first ``seeds`` seeds."""
+
+    seeds: int
+    mean_ms: tuple[float, float]  # (jittered, exact), the seeds' measured requests pooled
+    work: tuple[int, int]  # token-layers done by the cut, summed over the seeds
+    interval: SeedInterval
+    cut: bool
+
+    def judged(self) -> list[tuple[str, float, tuple[float, float], str]]:
+        """(metric, pooled ratio, interval, verdict) for what a check at this point reads."""
+        ratios = {"mean": ratio(*self.mean_ms), "work": ratio(*self.work)}
+        requests = (int(self.mean_ms[0] == self.mean_ms[0]), int(self.mean_ms[1] == self.mean_ms[1]))
+        return [(m, ratios[m], span, v)
+                for m, span, v in self.interval.judged(requests, self.cut)]
+
+    @property
+    def decided(self) -> bool:
+        """Every metric the check reads is decided (agrees or disagrees) at this many seeds."""
+        parts = self.judged()
+        return bool(parts) and all(not v.startswith(("undecided", "no interval"))
+                                   for *_, v in parts)
+
+
+def null_agreement(spec: ExperimentSpec, out: Path, seeds: int, jitter_s: float,
+                   cut_s: float | None, steps: list[int] | None = None,
+                   progress: bool = True) -> list[NullRow]:
+    """Seeds ``spec.seed .. spec.seed+seeds-1`` of ``spec`` on the simulator, exactly
+    (``<out>/seed<s>``) and under ``jitter_s`` of mean hop jitter (``<out>/seed<s>-jitter<J>``),
+    both cut at ``cut_s`` (None: not cut); one ``NullRow`` per prefix of ``steps`` seeds
+    (default 3, 6, 12, ... up to ``seeds``). Complete runs are reused."""
+    if seeds < 2:
+        raise ValueError(f"seeds must be >= 2 for an interval over them, not {seeds}")
+    if not 0 < jitter_s <= 1e-3:
+        raise ValueError(f"jitter must be in (0, 0.001] s, not {jitter_s}")
+    steps = sorted({min(n, seeds) for n in (steps or _doubling(seeds)) if n >= 2})
+    w = spec.workload
+    exact, jittered = [], []
+    twins = [(spec.with_overrides({**SIM_TWIN, "seed": spec.seed + k}),
+              spec.with_overrides({**SIM_TWIN, "seed": spec.seed + k, "sim.hop_jitter_s": jitter_s}))
+             for k in range(seeds)]
+    for e, j in tqdm(twins, desc="agree-null", unit="seed", disable=not progress):
+        for s, side, name in ((e, exact, f"seed{e.seed}"), (j, jittered, f"seed{j.seed}-jitter{jitter_s:g}")):
+            run = out / name
+            if not is_done(run, s):
+                run_experiment(s, run, progress=False)
+            lat, _, done = measure_cut(*read_records(run), cut_s, w.warmup_s, w.duration_s)
+            side.append((lat, done))
+    rows = []
+    for n in steps:
+        mean = lambda parts: (float(np.concatenate([p[0] for p in parts]).mean() * 1e3)  # noqa: E731
+                              if sum(p[0].size for p in parts) else float("nan"))
+        rows.append(NullRow(n, (mean(jittered[:n]), mean(exact[:n])),
+                            (sum(p[1] for p in jittered[:n]), sum(p[1] for p in exact[:n])),
+                            seed_interval(jittered[:n], exact[:n]), cut_s is not None))
+    return rows
+
+
+def _doubling(seeds: int) -> list[int]:
+    n, out = 3, []
+    while n < seeds:
+        out.append(n)
+        n *= 2
+    return [*out, seeds]
+
+
+def format_null(rows: list[NullRow], jitter_s: float, cut_s: float | None) -> str:
+    lines = [f"the simulator under {jitter_s * 1e6:g} us of mean hop jitter against its exact run"
+             f" ({'cut at ' + format(cut_s, '.2f') + ' s' if cut_s is not None else 'not cut'}),"
+             " the seeds pooled; a faithful emulator's reading at this point:"]
+    for r in rows:
+        parts = "; ".join(f"{'token-layers' if m == 'work' else m} {v:.3f} ({lo:.3f}-{hi:.3f}), {verdict}"
+                          for m, v, (lo, hi), verdict in r.judged())
+        lines.append(f"seeds={r.seeds:<3d} {parts or 'no metric to bound'}")
+    first = next((r.seeds for r in rows if r.decided), None)
+    lines.append(f"tolerances: mean {TOL['emu/sim'][0]:.0%}, token-layers done by the cut "
+                 f"{TOL_WORK:.0%}; intervals: 95% bootstrap over the seeds. "
+                 + (f"Decided from {first} seeds." if first else
+                    f"Not decided at {rows[-1].seeds} seeds."))
+    return "\n".join(lines)

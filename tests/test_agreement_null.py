@@ -1,0 +1,78 @@
+"""``agree-null``: the simulator under tiny hop jitter against its exact run, over seeds."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from testbed.agreement import measure_cut
+from testbed.agreement_null import format_null, null_agreement
+from testbed.cli import app
+from testbed.records import read_records
+from testbed.spec import load_spec, parse_spec
+
+SPEC = {"name": "null-test", "topology": "small3", "router": {"name": "hetroute"},
+        "engine": {"decision_s": 5e-6},
+        "workload": {"rate_per_s": 10, "duration_s": 0.6, "warmup_s": 0.1, "gen_tokens": 0,
+                     "calibration_tokens": 64}}
+
+
+def test_the_null_check_pools_each_seeds_exact_and_jittered_runs(tmp_path):
+    spec = parse_spec(SPEC)
+    rows = null_agreement(spec, tmp_path, 4, 1e-5, None, steps=[2, 4], progress=False)
+    assert [r.seeds for r in rows] == [2, 4]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("seed")) == [
+        "seed0", "seed0-jitter1e-05", "seed1", "seed1-jitter1e-05", "seed2",
+        "seed2-jitter1e-05", "seed3", "seed3-jitter1e-05"]
+    # the runs are the simulator's twins: the exact one has no jitter, the other the asked one
+    for name, jit in (("seed3", 0.0), ("seed3-jitter1e-05", 1e-5)):
+        twin = load_spec(tmp_path / name / "spec.resolved.yaml")
+        assert (twin.backend, twin.net.control, twin.sim.hop_jitter_s, twin.seed) == \
+            ("sim", "links", jit, spec.seed + 3)
+    w = spec.workload
+    exact = [measure_cut(*read_records(tmp_path / f"seed{k}"), None, w.warmup_s, w.duration_s)
+             for k in range(4)]
+    assert rows[1].work[1] == sum(done for _, _, done in exact)  # the exact side, summed
+    lat = np.concatenate([x for x, _, _ in exact])
+    assert rows[1].mean_ms[1] == pytest.approx(lat.mean() * 1e3)
+    # 10 us per hop moves an underloaded run's mean a little, never by 5%: the null agrees
+    jit_mean, exact_mean = rows[1].mean_ms
+    assert jit_mean != exact_mean and abs(jit_mean / exact_mean - 1) < 0.05
+    assert rows[0].decided and [m for m, *_ in rows[0].judged()] == ["mean"]  # not cut: no work
+    text = format_null(rows, 1e-5, None)
+    assert "seeds=4" in text and "agrees" in text and text.endswith("Decided from 2 seeds.")
+    # a second call reuses every run
+    stamp = (tmp_path / "seed0" / "run.json").stat().st_mtime_ns
+    null_agreement(spec, tmp_path, 2, 1e-5, None, progress=False)
+    assert (tmp_path / "seed0" / "run.json").stat().st_mtime_ns == stamp
+
+
+def test_a_cut_null_check_reads_the_work_done_by_the_cut(tmp_path):
+    spec = parse_spec(SPEC)
+    whole = null_agreement(spec, tmp_path, 2, 1e-5, None, progress=False)[-1]
+    cut = null_agreement(spec, tmp_path, 2, 1e-5, 0.3, progress=False)[-1]
+    assert cut.cut and "work" in [m for m, *_ in cut.judged()]
+    assert 0 < cut.work[1] < whole.work[1] and 0 < cut.work[0] < whole.work[0]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--jitter", "0"], "--jitter: each jitter must be in (0, 0.001] s"),
+    (["--seeds", "1"], "--seeds"),
+    (["--cut", "-1"], "--cut must be > 0 s"),
+])
+def test_agree_null_rejects_bad_input_in_one_line(tmp_path, args, says):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(json.dumps(SPEC))
+    res = CliRunner().invoke(app, ["agree-null", str(spec), "--out", str(tmp_path / "o"), *args])
+    assert res.exit_code == 2 and says in res.output
+    assert not (tmp_path / "o").exists()  # nothing was run
+
+
+def test_agree_null_names_a_missing_point_or_a_folder_that_is_no_run(tmp_path):
+    res = CliRunner().invoke(app, ["agree-null", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "does not exist" in res.output
+    res = CliRunner().invoke(app, ["agree-null", str(tmp_path)])
+    assert res.exit_code == 2 and "no spec.resolved.yaml" in res.output
