@@ -13,11 +13,9 @@ from testbed.agreement_null import format_null, null_agreement
 from testbed.cli import app
 from testbed.records import read_records
 from testbed.spec import load_spec, parse_spec
+from tests.test_agreement import SPEC as AGREE_SPEC
 
-SPEC = {"name": "null-test", "topology": "small3", "router": {"name": "hetroute"},
-        "engine": {"decision_s": 5e-6},
-        "workload": {"rate_per_s": 10, "duration_s": 0.6, "warmup_s": 0.1, "gen_tokens": 0,
-                     "calibration_tokens": 64}}
+SPEC = {**AGREE_SPEC, "name": "null-test", "router": {"name": "hetroute"}}  # small3, 0.6 s
 
 
 def test_the_null_check_pools_each_seeds_exact_and_jittered_runs(tmp_path):
