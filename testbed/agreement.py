@@ -464,7 +464,7 @@ def compare_seeds(router: str, runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame
         n_all += n
         mean = lambda x: round(float(x.mean() * 1e3), 1) if x.size else float("nan")  # noqa: E731
         per_seed.append((k, mean(le), mean(ls), we, ws))
-    emu_side, sim_side = _pool(emu, dilation, cuts), _pool(sim, None, cuts)
+    emu_side, sim_side = pool_seeds(emu, dilation, cuts), pool_seeds(sim, None, cuts)
     check = _compare("emu/sim", router, emu_side, sim_side, len(runs))
     if len(runs) > 1:
         check.seed_ci = seed_interval(emu, sim)
@@ -473,7 +473,7 @@ def compare_seeds(router: str, runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame
     return n_all, check, per_seed
 
 
-def _pool(parts: list[tuple[np.ndarray, int]], dilation: float | None,
+def pool_seeds(parts: list[tuple[np.ndarray, int]], dilation: float | None,
           cuts: list[float | None]) -> Side:
     """Seeds' (latencies, token-layers done) as one ``Side``."""
     return Side(np.concatenate([p[0] for p in parts]), dilation, cuts, sum(p[1] for p in parts),
@@ -578,7 +578,7 @@ def _pooled(runs: list[tuple[tuple[pd.DataFrame, pd.DataFrame], float | None]], 
             duration_s: float) -> Side:
     """Seeds' simulated records, each cut where its emulated run stopped, as one ``Side``."""
     parts = [measure_cut(*rec, cut, warmup_s, duration_s) for rec, cut in runs]
-    return _pool([(lat, work) for lat, _, work in parts], None, [c for _, c in runs])
+    return pool_seeds([(lat, work) for lat, _, work in parts], None, [c for _, c in runs])
 
 
 def ratio(a: float, b: float) -> float:

@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
-from .agreement import SIM_TWIN, TOL, TOL_WORK, SeedInterval, measure_cut, ratio, seed_interval
+from .agreement import (SIM_TWIN, TOL, TOL_WORK, SeedInterval, band_error, measure_cut, pool_seeds,
+                        ratio, seed_interval)
 from .records import read_records
 from .runner import is_done, run_experiment
 from .spec import ExperimentSpec
@@ -64,8 +64,9 @@ def null_agreement(spec: ExperimentSpec, out: Path, seeds: int, jitter_s: float,
     (default 3, 6, 12, ... up to ``seeds``). Complete runs are reused."""
     if seeds < 2:
         raise ValueError(f"seeds must be >= 2 for an interval over them, not {seeds}")
-    if not 0 < jitter_s <= 1e-3:
-        raise ValueError(f"jitter must be in (0, 0.001] s, not {jitter_s}")
+    bad = band_error([jitter_s])
+    if bad:
+        raise ValueError(bad)
     steps = sorted({min(n, seeds) for n in (steps or _doubling(seeds)) if n >= 2})
     w = spec.workload
     exact, jittered = [], []
@@ -81,10 +82,8 @@ def null_agreement(spec: ExperimentSpec, out: Path, seeds: int, jitter_s: float,
             side.append((lat, done))
     rows = []
     for n in steps:
-        mean = lambda parts: (float(np.concatenate([p[0] for p in parts]).mean() * 1e3)  # noqa: E731
-                              if sum(p[0].size for p in parts) else float("nan"))
-        rows.append(NullRow(n, (mean(jittered[:n]), mean(exact[:n])),
-                            (sum(p[1] for p in jittered[:n]), sum(p[1] for p in exact[:n])),
+        a, b = pool_seeds(jittered[:n], None, []), pool_seeds(exact[:n], None, [])
+        rows.append(NullRow(n, (a.mean_ms, b.mean_ms), (a.work, b.work),
                             seed_interval(jittered[:n], exact[:n]), cut_s is not None))
     return rows
 
