@@ -1,5 +1,5 @@
 """``python -m analysis figure --fig N --backend B --scale S``, ``figures``, ``report``,
-``compare-steps``, ``agreement-table``."""
+``compare-steps``, ``first-fork``, ``agreement-table``."""
 
 from __future__ import annotations
 
@@ -74,6 +74,24 @@ def compare_steps(run_a: Path = typer.Argument(..., help="a run folder written w
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     typer.echo(format_diffs(horizon, diffs, (run_a.name, run_b.name)))
+
+
+@app.command("first-fork")
+def first_fork(run_a: Path = typer.Argument(..., help="a finished run folder (e.g. emulated)"),
+               run_b: Path = typer.Argument(..., help="the reference run of the same spec (e.g. "
+                                            "its simulated twin)"),
+               tol_us: float = typer.Option(1.0, help="a start differs if by more than this, "
+                                            "model microseconds")) -> None:
+    """What first parts two runs of one spec, from their token-layer records: a routing
+    decision taken differently, or a start that moved first; and how far the starts and each
+    part (fan-out, step, fan-in) drifted on the common trajectory before it."""
+    from .first_fork import fork_of_runs, format_fork
+    try:
+        fork = fork_of_runs(run_a, run_b, tol_us * 1e-6)
+    except (ValueError, OSError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(format_fork(fork, (run_a.name, run_b.name)))
 
 
 @app.command("agreement-table")

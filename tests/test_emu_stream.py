@@ -707,3 +707,55 @@ def test_a_late_frame_onto_a_busy_link_is_stamped_with_its_departures_lateness_a
     e = late[0] - 0.030
     assert sender.late_vs_write == pytest.approx(0.005 + 0.020 + 0.025 + e - max(0.0, e - 0.005),
                                                  abs=1e-9)
+
+
+def test_a_frame_whose_bytes_come_early_is_held_to_the_models_instant():
+    """The sender stamps when the model's link is done sending a data frame (``due_end_s``,
+    its model start plus its bytes at the link's rate); the receiver hands it on no earlier
+    than that plus the link's delay, however early its bytes came. An HTB class lets its
+    bucket's burst (1 ms of traffic) through at once after an idle spell, so a lone hidden
+    state came up to 1 ms of wall time early: 31 us emulated at T = 32 on asym5's fan-outs
+    (README, "A shaper's burst")."""
+    from testbed.emu.transport import Transport
+    from testbed.emu.wire import FrameDecoder, tensor_frame
+
+    m = _HIDDEN
+    probe, _ = _sender()
+    probe.send(1, tensor_frame(m, torch.zeros(4)))
+    nbytes = probe.sent_bytes
+    sender, wire = _sender({1: 0.010 / nbytes})  # 10 ms on the link
+    t = time.monotonic() + 0.5
+    assert sender.send(1, tensor_frame(m, torch.zeros(4)), due=t)
+    assert sender.send(1, tensor_frame(m, torch.zeros(4)), due=t)  # behind it on the model's link
+    assert sender.send(1, tensor_frame(m, torch.zeros(4)))  # no model time: no stamp
+    ends = [f.msg.due_end_s for f in FrameDecoder().feed(bytes(wire.data))]
+    assert ends[0] == pytest.approx(t + 0.010, abs=1e-9)
+    assert ends[1] == pytest.approx(t + 0.020, abs=1e-9) and ends[2] == 0.0
+
+    def handed(due_end: float, late: float = 0.0):
+        got = []
+        loop = precise_loop()
+        net = Transport(1, 0, {}, [0.020, 0.0], lambda f, a: got.append(a),
+                        lambda p, why: None, b"s" * 16)
+
+        async def go():
+            now = time.monotonic()
+            end = now + due_end if due_end else 0.0
+            net.deliver(tensor_frame(replace(m, due_end_s=end, write_late_s=late), torch.zeros(4)),
+                        0, now)
+            await asyncio.sleep(0.05)
+            return now
+        now = loop.run_until_complete(go())
+        loop.close()
+        return got[0] - now, net
+
+    at, net = handed(0.006)  # its bytes came 6 ms before the model's link had sent them
+    assert at == pytest.approx(0.026, abs=1e-3)
+    assert net.early_held == 1 and net.early_held_s == pytest.approx(0.006, abs=1e-6)
+    at, net = handed(-0.004)  # the model's link was done 4 ms before the bytes came: on time
+    assert at == pytest.approx(0.020, abs=1e-3) and net.early_held == 0
+    at, net = handed(0.0)  # no stamp: the arrival decides, as before
+    assert at == pytest.approx(0.020, abs=1e-3) and net.early_held == 0
+    # written 8 ms late and its bytes 3 ms early of the model's end: the model's instant
+    at, net = handed(0.003 - 0.008, late=0.008)
+    assert at == pytest.approx(0.015, abs=1e-3) and net.early_held == 1

@@ -39,6 +39,16 @@ leaves no later than it would have anyway, so only the difference of the two
 starts is late: stamped from the write alone (commit 885b7ee), such frames were
 handed on early by up to their write lateness.
 
+The line also never hands a data frame on before the model would have it: the sender
+stamps the instant its model link finishes sending the frame (``due_end_s``, host
+monotonic time, which every Mininet host shares), and the line holds the frame to that
+instant plus the link's delay (``early_held``). Without it a shaper's burst let frames
+through early: an HTB class passes its bucket (1 ms of traffic, ``hosts/topo.htb_params``)
+at once after an idle spell, so a lone hidden state's bytes arrived up to 1 ms of wall time
+before the rate allows, and the emulated fan-outs ran 27-37 us (model, T = 32) ahead of the
+simulator's at their 10 % quantile on most links of asym5 (HetRoute, 10 req/s, 24 seeds,
+``python -m analysis first-fork``).
+
 Malformed, truncated or oversized frames close that connection only
 (``WireError``); the worker keeps serving everyone else.
 """
@@ -56,7 +66,8 @@ from collections import deque
 from typing import Callable, Iterator
 
 from .wire import (DEFAULT_MAX_PAYLOAD, MAX_HOLD_S, NONCE_BYTES, TENSOR_MESSAGES, Auth, Challenge,
-                   Frame, FrameDecoder, Pong, WireError, auth_mac, encode_header, write_late_field)
+                   Frame, FrameDecoder, Pong, WireError, auth_mac, due_end_field, encode_header,
+                   write_late_field)
 
 OnFrame = Callable[[Frame, float], None]  # (frame, arrival monotonic time)
 
@@ -200,7 +211,14 @@ class Transport:
         self.late_absorbed = 0.0
         self.late_exposed = 0.0
         self.data_frames_in = 0
-        #: corked writes, in order: (dst, bytes, due, modeled, head, field offset, struct)
+        #: received data frames held past their old due time because they came before the
+        #: model's link had finished sending them (``due_end_s``): how many, and for how long
+        #: in all (wall s). An HTB class lets its bucket's burst (1 ms of traffic,
+        #: ``hosts/topo.htb_params``) through at once after an idle spell, so a lone frame's
+        #: bytes come up to 1 ms of wall time before the rate would have them
+        self.early_held = 0
+        self.early_held_s = 0.0
+        #: corked writes, in order: (dst, bytes, due, modeled, head, fields' (offset, struct))
         self._stamps: list[tuple] = []
         self._corked = 0  # depth of ``corked`` blocks
         #: per source, frames waiting for their due time, in the order they arrived
@@ -240,16 +258,16 @@ class Transport:
         if head is None or len(frame.payload) + frame.pad_len > self.max_payload:
             head = encode_header(frame, self.max_payload)
         nbytes = len(head) + len(frame.payload) + frame.pad_len
-        off = st = None
+        off = None
         if due is not None and isinstance(frame.msg, TENSOR_MESSAGES):
             head = bytearray(head)
-            off, st = write_late_field(type(frame.msg))
+            off = (write_late_field(type(frame.msg)), due_end_field(type(frame.msg)))
         else:
             due = None
         if self._corked:
-            self._stamps.append((dst, nbytes, due, modeled, head, off, st))
+            self._stamps.append((dst, nbytes, due, modeled, head, off))
         else:
-            self._depart(time.monotonic(), dst, nbytes, due, modeled, head, off, st)
+            self._depart(time.monotonic(), dst, nbytes, due, modeled, head, off)
         parts = [head]
         if len(frame.payload):
             parts.append(frame.payload)
@@ -262,11 +280,12 @@ class Transport:
         return nbytes
 
     def _depart(self, now: float, dst: int, nbytes: int, due: float | None, modeled: bool,
-                head, off, st) -> None:
+                head, off) -> None:
         """A frame of ``nbytes`` written to ``dst`` at ``now``: its start on the real link
         (behind what was written before it, at the shaped rate) against its start on the
         model's (its due time, behind the modeled frames before it); the difference is
-        stamped into a data frame's head as ``write_late_s``. Frames the simulator does not
+        stamped into a data frame's head as ``write_late_s``, and the model's end of sending
+        it as ``due_end_s``. ``off``: the two fields' (offset, struct). Frames the simulator does not
         send (``modeled=False``) and control frames take real link time only."""
         spb = self.link_s_per_byte.get(dst)
         tx = nbytes * spb if spb else 0.0
@@ -285,7 +304,9 @@ class Transport:
                 self._model_free[dst] = model + tx
         late = self._late(start, model)
         self.late_vs_write += late - (now - due if now > due else 0.0)
-        st.pack_into(head, off, late)
+        (lo, ls), (eo, es) = off
+        ls.pack_into(head, lo, late)
+        es.pack_into(head, eo, model + tx)  # the model's link is done with it
 
     @property
     def is_corked(self) -> bool:
@@ -362,12 +383,18 @@ class Transport:
         hidden = min(late, d) if self.absorb_late and d > 0 else 0.0
         self.late_absorbed += hidden
         self.late_exposed += late - hidden
+        # never before the model's instant: its link's end of sending it plus the delay
+        floor = frame.msg.due_end_s + d if frame.msg.due_end_s > 0.0 else 0.0
         d -= hidden
+        due = arrival + max(0.0, d)
+        if floor > due:
+            self.early_held += 1
+            self.early_held_s += floor - due
+            due = floor
         queue = self._due_queue.get(src)
-        if d <= 0 and not queue:
+        if due <= arrival and not queue:
             self.on_frame(frame, arrival)
             return
-        due = arrival + max(0.0, d)
         if queue is None:
             queue = self._due_queue[src] = deque()
         if queue:  # behind what this peer sent before it

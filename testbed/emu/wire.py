@@ -45,10 +45,11 @@ from hetroute.state import Mode
 MAGIC = b"HRTW"
 #: a congestion-window wait longer than this is a sender's bug, not a window
 MAX_HOLD_S = 3600.0
-VERSION = 8  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
+VERSION = 9  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
 #: 5: HIDDEN, PARTIAL and TOKEN carry their congestion-window wait (``hold_s``); 6: HIDDEN
 #: carries the router's delay estimate (``est_delay_us``); 7: CUSTODY; 8: HIDDEN, PARTIAL
-#: and TOKEN carry how late their sender wrote them (``write_late_s``)
+#: and TOKEN carry how late their sender wrote them (``write_late_s``); 9: and when the
+#: model's link finished sending them (``due_end_s``)
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
@@ -153,6 +154,10 @@ class Hidden:
     #: ``Transport`` at the write): the receiver's delay line starts at the due time, so the
     #: sender's own Python per hop is hidden where the link's dilated delay covers it
     write_late_s: float = 0.0
+    #: the host's monotonic clock (wall s) at which the model's link finishes sending the
+    #: frame (stamped by ``Transport`` at the write; 0: none): the receiver never hands it on
+    #: before this plus the link's delay, however early its bytes came (a shaper's burst)
+    due_end_s: float = 0.0
     #: the router's own estimate of the layer's delay in us (``Assignment.est_delay``; -1: it
     #: has none), for the aggregator's record: both backends' records carry ``est_delay_s``
     est_delay_us: int = -1
@@ -185,6 +190,10 @@ class Partial:
     #: ``Transport`` at the write): the receiver's delay line starts at the due time, so the
     #: sender's own Python per hop is hidden where the link's dilated delay covers it
     write_late_s: float = 0.0
+    #: the host's monotonic clock (wall s) at which the model's link finishes sending the
+    #: frame (stamped by ``Transport`` at the write; 0: none): the receiver never hands it on
+    #: before this plus the link's delay, however early its bytes came (a shaper's burst)
+    due_end_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +220,10 @@ class Token:
     #: ``Transport`` at the write): the receiver's delay line starts at the due time, so the
     #: sender's own Python per hop is hidden where the link's dilated delay covers it
     write_late_s: float = 0.0
+    #: the host's monotonic clock (wall s) at which the model's link finishes sending the
+    #: frame (stamped by ``Transport`` at the write; 0: none): the receiver never hands it on
+    #: before this plus the link's delay, however early its bytes came (a shaper's burst)
+    due_end_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,11 +445,12 @@ _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
              ("n_participants", "H"), ("lam_acc", "d"), ("t_layer", "d"), ("t_dispatch", "d"),
              ("view_age_us", "q"), ("backlog_err_us", "q"), ("decision_us", "q"),
              ("est_delay_us", "q"), ("dtype", "B"), ("group", "I"), ("group_n", "H"), ("hold_s", "d"),
-             ("write_late_s", "d")),
+             ("write_late_s", "d"), ("due_end_s", "d")),
     Partial: (("src", "H"), *_REQ, ("t_arrived", "d"), ("t_computed", "d"), ("dtype", "B"),
-              ("group", "I"), ("group_n", "H"), ("hold_s", "d"), ("write_late_s", "d")),
+              ("group", "I"), ("group_n", "H"), ("hold_s", "d"), ("write_late_s", "d"),
+              ("due_end_s", "d")),
     Token: (("src", "H"), *_REQ, ("home", "H"), ("lam_acc", "d"), ("final", "B"), ("dtype", "B"),
-            ("hold_s", "d"), ("write_late_s", "d")),
+            ("hold_s", "d"), ("write_late_s", "d"), ("due_end_s", "d")),
     State: (("src", "H"), ("window", "Q"), ("opened_at", "d"), ("t_send", "d"), ("backlog_s", "d")),
     Fail: (("src", "H"), ("home", "H"), ("request", "Q"), ("token", "I")),
     Custody: (("src", "H"), ("t_send", "d")),
@@ -496,6 +510,9 @@ def _check(m: Message) -> None:
         raise WireError(f"hold_s must be in [0, {MAX_HOLD_S:g}] s")
     if not 0.0 <= getattr(m, "write_late_s", 0.0) <= MAX_HOLD_S:
         raise WireError(f"write_late_s must be in [0, {MAX_HOLD_S:g}] s")
+    due_end = getattr(m, "due_end_s", 0.0)
+    if not (due_end >= 0.0 and math.isfinite(due_end)):
+        raise WireError("due_end_s must be a finite time >= 0")
     if isinstance(m, TENSOR_MESSAGES):
         if m.dtype not in _TORCH_OF or not 1 <= len(m.shape) <= MAX_DIMS:
             raise WireError(f"{type(m).__name__} needs a float tensor payload of 1-{MAX_DIMS} dims")
@@ -674,6 +691,11 @@ def write_late_field(cls: type) -> tuple[int, struct.Struct]:
     """Where a tensor message's ``write_late_s`` lies in its encoded frame, and its struct:
     the transport stamps it into a prepared head at the write."""
     return _FIELD_AT[cls]["write_late_s"]
+
+
+def due_end_field(cls: type) -> tuple[int, struct.Struct]:
+    """Where a tensor message's ``due_end_s`` lies in its encoded frame, and its struct."""
+    return _FIELD_AT[cls]["due_end_s"]
 
 
 def warm_codec(d: int, total: int, rounds: int = 200) -> int:

@@ -299,7 +299,12 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "write_late_absorbed_mean_ms": self.net.late_absorbed
                 / max(1, self.net.data_frames_in) * 1e3,
                 "write_late_exposed_mean_ms": self.net.late_exposed
-                / max(1, self.net.data_frames_in) * 1e3}
+                / max(1, self.net.data_frames_in) * 1e3,
+                # received data frames whose bytes came before the model's link had sent them
+                # (a shaper's burst), held to the model's instant: how many, and wall ms per
+                # data frame received
+                "early_held": self.net.early_held,
+                "early_held_mean_ms": self.net.early_held_s / max(1, self.net.data_frames_in) * 1e3}
 
 
 def warm_router(router, layers: int) -> float:

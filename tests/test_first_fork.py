@@ -1,0 +1,78 @@
+"""What first parts two runs (analysis/first_fork.py, ``python -m analysis first-fork``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from analysis.first_fork import first_fork, fork_of_runs, format_fork
+from testbed.runner import run_experiment
+from testbed.spec import parse_spec
+
+TINY = {"topology": "small3", "workload": {"model": "switch", "duration_s": 0.4, "warmup_s": 0.1,
+                                           "rate_per_s": 40, "calibration_tokens": 64,
+                                           "gen_tokens": 0}}
+
+
+def _tl(rows):
+    """Token-layer records from (request, token, layer, t_start, server, next, replicas)."""
+    return pd.DataFrame([{"request": q, "token": k, "layer": l, "t_start": t, "server": s,
+                          "next_server": n, "replica": list(r), "fanout_s": 1e-4,
+                          "compute_s": 1e-3, "fanin_s": 1e-4}
+                         for q, k, l, t, s, n, r in rows])
+
+
+REF = [(0, 0, 0, 0.000, 0, 1, (1, 2)), (0, 0, 1, 0.010, 1, 1, (0, 2)),
+       (1, 0, 0, 0.020, 2, 0, (0, 1)), (1, 0, 1, 0.030, 0, 0, (1, 2))]
+
+
+def test_a_decision_taken_differently_with_every_earlier_start_alike_is_a_decision_fork():
+    a = list(REF)
+    a[1] = (0, 0, 1, 0.010 + 3e-7, 1, 1, (0, 2))  # within 1 us: not a timing difference
+    a[2] = (1, 0, 0, 0.020, 2, 0, (1, 2))  # another replica set
+    a[3] = (1, 0, 1, 0.040, 0, 0, (1, 2))  # a later start, after the decision
+    f = first_fork(_tl(a), _tl(REF))
+    assert f.first == "decision" and f.decision_key == (1, 0, 0)
+    assert f.decision_ab == ((2, 0, (1, 2)), (2, 0, (0, 1))) and f.decision_s == 0.020
+    assert f.timing_key == (1, 0, 1) and f.timing_dt_us == pytest.approx(1e4)
+    assert f.rows_before == 2 and f.drift_us[2] == pytest.approx(0.3)
+    assert f.per_layer_us[0] == pytest.approx(0.3)  # token (0, 0): layer 0 at 0, layer 1 +0.3
+    assert "first to part: decision" in format_fork(f, ("emu", "sim"))
+
+
+def test_a_start_that_moves_first_is_a_timing_fork_and_identical_runs_do_not_part():
+    a = list(REF)
+    a[1] = (0, 0, 1, 0.010 + 5e-6, 1, 1, (0, 2))
+    a[3] = (1, 0, 1, 0.030, 2, 0, (1, 2))
+    f = first_fork(_tl(a), _tl(REF))
+    assert f.first == "timing" and f.timing_key == (0, 0, 1) and f.decision_key == (1, 0, 1)
+    assert f.timing_dt_us == pytest.approx(5.0)
+    assert first_fork(_tl(a), _tl(REF), tol_s=1e-5).first == "decision"
+    same = first_fork(_tl(REF), _tl(REF))
+    assert same.first == "none" and same.compared == 4 and same.drift_us[2] == 0
+    # a token-layer the reference started that the other run did not, by the horizon
+    short = first_fork(_tl(REF[:2] + REF[3:]), _tl(REF), horizon_s=0.03)
+    assert short.first == "timing" and short.timing_key == (1, 0, 0)
+    assert "not started in emu" in format_fork(short, ("emu", "sim"))
+    with pytest.raises(ValueError, match="tolerance"):
+        first_fork(_tl(REF), _tl(REF), tol_s=-1)
+
+
+def test_two_runs_of_one_spec_do_not_part_and_jitter_parts_them(tmp_path):
+    spec = parse_spec(TINY)
+    run_experiment(spec, tmp_path / "a", progress=False)
+    run_experiment(spec, tmp_path / "b", progress=False)
+    run_experiment(spec.with_overrides({"sim.hop_jitter_s": 1e-5}), tmp_path / "j", progress=False)
+    same = fork_of_runs(tmp_path / "a", tmp_path / "b")
+    assert same.first == "none" and same.compared > 100
+    jit = fork_of_runs(tmp_path / "j", tmp_path / "b")
+    assert jit.first == "timing" and jit.drift_us[2] > 1.0  # every hop moved by microseconds
+    cli = subprocess.run([sys.executable, "-m", "analysis", "first-fork", str(tmp_path / "j"),
+                          str(tmp_path / "b")], capture_output=True, text=True)
+    assert cli.returncode == 0 and "first to part: timing" in cli.stdout
+    bad = subprocess.run([sys.executable, "-m", "analysis", "first-fork", str(tmp_path),
+                          str(tmp_path / "b")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no token_layers" in bad.stderr
