@@ -153,6 +153,10 @@ class EmuSpec(_Model):
         "send time, its own Python per hop): 'absorbed' starts the transport delay line at the "
         "due time, so the lateness is hidden where the link's dilated delay covers it; "
         "'exposed' starts it at the frame's arrival (before 2026-11-29). netem: always exposed")
+    arrivals: Literal["kernel", "read"] = Field(
+        "kernel", description="when a received frame arrived: 'kernel', the kernel's receive "
+        "time of its last bytes (SO_TIMESTAMPNS), so a worker busy elsewhere does not delay "
+        "what reached it; 'read', when the worker's loop read them (before 2026-12-03)")
 
 
 class NetSpec(_Model):

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
+import torch
 
 from testbed.emu.transport import Transport
 from testbed.emu.wire import (Auth, Challenge, Frame, FrameDecoder, Ping, State, auth_mac,
@@ -164,3 +166,36 @@ def test_frames_sent_corked_leave_in_one_write_and_arrive_whole_in_order():
         for t in pair.t:
             t.close()
     _run(main())
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_frame_arrives_when_the_kernel_had_it_not_when_a_busy_loop_read_it(kernel):
+    """With ``emu.arrivals: kernel`` a frame's arrival is the kernel's receive time of its
+    last bytes (SO_TIMESTAMPNS), so 60 ms in which the receiving worker's loop is busy
+    elsewhere do not make it late; with ``read`` (before 2026-12-03) they do, by all of it."""
+    from testbed.emu.wire import Hidden, Pick, tensor_frame
+
+    got = []
+    p = Pair()
+    p.t[1] = Transport(1, p.ports[1], {0: ("127.0.0.1", p.ports[0])}, [0.0, 0.0],
+                       lambda f, a: got.append((f, a)), lambda q, why: None, SECRET,
+                       kernel_stamps=kernel)
+    hidden = Hidden(0, 9, 1, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), ())
+
+    async def go():
+        await p.start()
+        await asyncio.sleep(0.05)  # the handshake's last frames read
+        sent = time.monotonic()
+        assert p.t[0].send(1, tensor_frame(hidden, torch.zeros(64)))
+        time.sleep(0.06)  # the loop busy: nothing reads
+        await _until(lambda: got)
+        return sent
+
+    sent = _run(go())
+    assert len(got) == 1 and isinstance(got[0][0].msg, Hidden)
+    late = got[0][1] - sent
+    waits = p.t[1].read_waits
+    if kernel:
+        assert late < 0.02 and max(waits) > 0.05
+    else:
+        assert late > 0.06 and max(waits) == 0.0

@@ -709,6 +709,59 @@ def test_a_late_frame_onto_a_busy_link_is_stamped_with_its_departures_lateness_a
                                                  abs=1e-9)
 
 
+def test_a_dispatch_groups_window_wait_counts_only_the_frames_the_simulator_sends():
+    """A step's dispatch group to a server holds a frame per token that has it as participant
+    or as aggregator; the simulator's message to it holds only the participants' hidden
+    states, so the group's frames wait for the window of those alone (``hold_n``). Counted
+    with every frame, asym5's first prompt reached a participant 24.8 us after the
+    simulator's (three more hidden states at 8 Gbit/s)."""
+    from types import SimpleNamespace as NS
+
+    from testbed.emu.node.peers import Peers
+    from testbed.emu.node.routing import Routing
+    from testbed.emu.wire import Hidden, Pick, tensor_frame
+    from testbed.tcp import TcpParams, hold_clocks, windows
+
+    def routed(participants, agg):
+        return (None, None, 0.0, (None, NS(per_server={n: [0] for n in participants},
+                                           assignment=NS(next_server=agg)), 0.0, 0.0))
+    node = NS(rank=0, reachable=[True, True, True, False])
+    cohort = [routed([1], 1), routed([0], 1), routed([1, 2], 2), routed([3], 1)]
+    oks, counts, held = Routing._grouping(node, cohort)
+    # server 1 gets three frames (participant twice, aggregator only once), two modeled
+    assert oks == [True, True, True, False]
+    assert counts == {0: 1, 1: 3, 2: 1} and held == {0: 1, 1: 2, 2: 1}
+
+    bw, delay, msg = [[0.0, 1e9], [1e9, 0.0]], [[0.0, 5e-3], [5e-3, 0.0]], 100_000
+    sent = []
+
+    class Node(Peers):
+        N, rank, T, t0, stopping = 2, 0, T, time.monotonic(), False
+        net = NS(sent_frames={1: 0}, send=lambda dst, f, due=None, modeled=True:
+                 sent.append(f) or True)
+        reachable = [True, True]
+
+        def wall(self, t):
+            return self.t0 + self.T * t
+
+    node = Node()
+    node.stats = {"frames_out": 0}
+    node._init_peers()
+    node.holds = hold_clocks(TcpParams(), bw, delay, 1.0, 0, msg)
+    frames = [tensor_frame(Hidden(0, 9, k, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0,
+                                  (Pick(3, 5, 0),), (), group=7, group_n=3), torch.zeros(4))
+              for k in range(3)]
+    assert node._send(1, frames[0], at=0.0, hold_n=2)
+    assert node._send(1, frames[1], at=0.0, modeled=False, hold_n=2)  # the aggregator's only
+    assert node._send(1, frames[2], at=0.0, hold_n=2)
+    w = windows(TcpParams(), bw, delay, 1.0)[0][1]
+    two = w.wait(0.0, 2 * msg, 2 * msg / 1e9)
+    three = windows(TcpParams(), bw, delay, 1.0)[0][1].wait(0.0, 3 * msg, 3 * msg / 1e9)
+    assert 0 < two < three
+    assert [f.msg.hold_s for f in sent] == pytest.approx([two, 0.0, two])
+    assert node.stats["tcp_waits"] == 1 and not node._group_holds  # the group's wait, used up
+
+
 def test_a_frame_whose_bytes_come_early_is_held_to_the_models_instant():
     """The sender stamps when the model's link is done sending a data frame (``due_end_s``,
     its model start plus its bytes at the link's rate); the receiver hands it on no earlier

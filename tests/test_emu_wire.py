@@ -590,3 +590,19 @@ def test_a_servers_state_for_itself_is_framed_without_head_or_padding():
     assert got.msg == grouped.msg and torch.equal(got.tensor(), state)
     # without a destination (a state some peer will read) it is the wire's size too
     assert len(w.encode(node._hidden_frame(m, state))) == wire_bytes
+
+
+def test_the_decoder_says_how_many_bytes_complete_the_next_frame():
+    """A stamped reader takes just ``need`` bytes, so each read ends at a frame's end."""
+    from testbed.emu.wire import ENVELOPE_SIZE, FrameDecoder, Ping, encode
+    raw = bytes(encode(Frame(Ping(1, 0, 0.0))))
+    dec = FrameDecoder()
+    assert dec.need == ENVELOPE_SIZE
+    got, i = [], 0
+    while i < 2 * len(raw):
+        n = dec.need
+        assert 1 <= n <= 2 * len(raw) - i
+        got += dec.feed((raw + raw)[i:i + n])
+        i += n
+        assert (dec.need == ENVELOPE_SIZE) == (i % len(raw) == 0)
+    assert len(got) == 2 and dec.need == ENVELOPE_SIZE

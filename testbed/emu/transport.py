@@ -49,6 +49,14 @@ before the rate allows, and the emulated fan-outs ran 27-37 us (model, T = 32) a
 simulator's at their 10 % quantile on most links of asym5 (HetRoute, 10 req/s, 24 seeds,
 ``python -m analysis first-fork``).
 
+A frame arrives when the kernel received its last bytes, not when the worker read them
+(``emu.arrivals: kernel``, since 2026-12-03): incoming connections are read with
+``recvmsg`` and ``SO_TIMESTAMPNS`` (``_StampedConnection``), each read up to the end of
+the next frame, so its stamp (that of the newest segment read) is the arrival of the frame
+it completes. Read when the loop got to them, frames that came while
+the worker was busy elsewhere (a step's padding, a decision) were late by that wait, which
+is the host's Python and no part of the link; ``read_wait_ms_*`` per worker says how long.
+
 Malformed, truncated or oversized frames close that connection only
 (``WireError``); the worker keeps serving everyone else.
 """
@@ -61,6 +69,8 @@ import ctypes
 import hmac
 import os
 import selectors
+import socket
+import struct
 import time
 from collections import deque
 from typing import Callable, Iterator
@@ -93,6 +103,120 @@ _ZEROS = bytes(1 << 16)
 def _zeros(n: int) -> bytes | memoryview:
     """``n`` zero bytes (padding) without allocating them each time."""
     return memoryview(_ZEROS)[:n] if n <= len(_ZEROS) else bytes(n)
+
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux <asm-generic/socket.h>
+_STAMP = struct.Struct("@qq")  # struct timespec
+_ANC = socket.CMSG_SPACE(_STAMP.size)
+_READ = 1 << 18  # bytes per read, at most
+_READS_PER_PASS = 64  # reads per readable callback before the loop serves the others
+
+
+class _StampedConnection:
+    """An accepted connection read with ``recvmsg``, so each read carries the kernel's
+    receive time of the newest bytes in it (``SO_TIMESTAMPNS``; TCP reports its last
+    segment's, Linux >= 4.14). asyncio's transports read with ``recv`` and drop it, and the
+    time a read happens is later by however long the worker's loop was busy elsewhere
+    (a step's padding, a routing decision): that wait is the loop's, not the link's.
+
+    Just what ``_Inbound`` uses of a transport: ``write`` (a CHALLENGE or a PONG, buffered
+    if the socket will not take it at once), ``close``, ``is_closing``, ``get_extra_info``;
+    the protocol's ``connection_lost`` follows a close or an end of stream, once."""
+
+    def __init__(self, sock: socket.socket, proto: "_Inbound", kernel_stamps: bool) -> None:
+        self.sock, self.proto = sock, proto
+        self.loop = asyncio.get_running_loop()
+        self._closing = False
+        self._out = bytearray()
+        sock.setblocking(False)
+        self.stamped = False
+        if kernel_stamps:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                self.stamped = True
+            except OSError:
+                pass
+        self._peer = sock.getpeername()
+        self.loop.add_reader(sock.fileno(), self._readable)
+        proto.connection_made(self)
+
+    def get_extra_info(self, name: str, default=None):
+        return self._peer if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def write(self, data) -> None:
+        if self._closing:
+            return
+        if not self._out:
+            try:
+                n = self.sock.send(data)
+            except BlockingIOError:
+                n = 0
+            except OSError as err:
+                self._lost(err)
+                return
+            data = memoryview(data)[n:]
+            if not len(data):
+                return
+            self.loop.add_writer(self.sock.fileno(), self._writable)
+        self._out += data
+
+    def _writable(self) -> None:
+        try:
+            n = self.sock.send(self._out)
+        except BlockingIOError:
+            return
+        except OSError as err:
+            self._lost(err)
+            return
+        del self._out[:n]
+        if not self._out:
+            self.loop.remove_writer(self.sock.fileno())
+
+    def _readable(self) -> None:
+        """Read up to the end of the next frame at a time (``FrameDecoder.need``): the stamp
+        is the newest segment's of the read, so a read that ran past a frame's end would date
+        the frame by bytes that came after it. Several reads per call, so a burst of frames
+        costs one loop pass."""
+        for _ in range(_READS_PER_PASS):
+            want = self.proto.decoder.need if self.stamped else _READ
+            try:
+                data, anc, _, _ = self.sock.recvmsg(min(want, _READ), _ANC if self.stamped else 0)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:
+                self._lost(err)
+                return
+            if not data:
+                self._lost(None)
+                return
+            now = time.monotonic()
+            arrival = now
+            for level, kind, raw in anc:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(raw) >= _STAMP.size:
+                    sec, ns = _STAMP.unpack_from(raw)
+                    # the stamp is CLOCK_REALTIME: carried over to the monotonic clock here
+                    arrival = min(now, sec + ns * 1e-9 - (time.time() - now))
+            self.proto.data_received(data, arrival, now)
+            if self._closing or len(data) < want:
+                return
+
+    def close(self) -> None:
+        self._lost(None)
+
+    def _lost(self, exc) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        fd = self.sock.fileno()
+        if fd >= 0:
+            self.loop.remove_reader(fd)
+            self.loop.remove_writer(fd)
+        self.sock.close()
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+            self.loop.call_soon(self.proto.connection_lost, exc)
 
 
 class _Inbound(asyncio.Protocol):
@@ -136,8 +260,15 @@ class _Inbound(asyncio.Protocol):
         self.owner._write(self.transport, Frame(Pong(o.rank, 0, 0.0)))  # accepted
         return True
 
-    def data_received(self, data: bytes) -> None:
-        arrival = time.monotonic()
+    def data_received(self, data: bytes, arrival: float | None = None,
+                      read: float | None = None) -> None:
+        """``arrival``: when the kernel received the newest of these bytes (monotonic s);
+        ``read``: when the loop read them. Without a stamp both are now."""
+        if arrival is None:
+            arrival = read = time.monotonic()
+        assert read is not None
+        if self.src is not None:
+            self.owner.read_waits.append(read - arrival)
         try:
             frames = self.decoder.feed(data)
         except WireError as err:
@@ -172,7 +303,8 @@ class Transport:
                  secret: bytes, log: Callable[[str], None] = lambda s: None,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, check_source: bool = True,
                  hold_scale: float = 0.0, absorb_late: bool = True,
-                 link_s_per_byte: dict[int, float] | None = None) -> None:
+                 link_s_per_byte: dict[int, float] | None = None,
+                 kernel_stamps: bool = True) -> None:
         if len(secret) < 16:
             raise ValueError("the run secret must have at least 16 bytes")
         self.rank, self.port, self.peers = rank, port, peers
@@ -183,6 +315,14 @@ class Transport:
         self.hold_scale = hold_scale
         #: ``emu.late_writes: absorbed``: a data frame's delay line starts when it was due
         self.absorb_late = absorb_late
+        #: ``emu.arrivals: kernel``: a frame arrives when the kernel received its last bytes
+        #: (``_StampedConnection``), not when the loop got round to reading them
+        self.kernel_stamps = kernel_stamps
+        #: per read of a proven peer's bytes, wall s from the kernel's receipt to the read
+        #: (0 when unstamped): the loop's own wait, which a kernel stamp keeps off the link
+        self.read_waits: list[float] = []
+        self._inbound: list[_StampedConnection] = []
+        self._listener: socket.socket | None = None
         #: wall seconds a byte takes on each outgoing shaped link (T / (B x payload
         #: efficiency)); a destination without one is modeled as infinitely fast
         self.link_s_per_byte = link_s_per_byte or {}
@@ -218,6 +358,9 @@ class Transport:
         #: bytes come up to 1 ms of wall time before the rate would have them
         self.early_held = 0
         self.early_held_s = 0.0
+        #: the others, per frame: wall s after the model's instant that the line hands it on
+        #: (its bytes came late beyond what its stamp absorbed)
+        self.after_model: list[float] = []
         #: corked writes, in order: (dst, bytes, due, modeled, head, fields' (offset, struct))
         self._stamps: list[tuple] = []
         self._corked = 0  # depth of ``corked`` blocks
@@ -227,8 +370,12 @@ class Transport:
 
     async def start(self, deadline_s: float = 30.0) -> None:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Inbound(self), host="0.0.0.0",
-                                               port=self.port, reuse_address=True)
+        lsock = self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lsock.bind(("0.0.0.0", self.port))
+        lsock.listen(64)
+        lsock.setblocking(False)
+        loop.add_reader(lsock.fileno(), self._accept)
         t_end = time.monotonic() + deadline_s
         for peer, (host, port) in self.peers.items():
             while True:
@@ -323,16 +470,29 @@ class Transport:
             yield
         finally:
             self._corked -= 1
-            if not self._corked and self._stamps:
-                now = time.monotonic()
-                for stamp in self._stamps:
-                    self._depart(now, *stamp)
-                self._stamps.clear()
-            if not self._corked and self._pending:
-                pending, self._pending = self._pending, {}
-                for tr, parts in pending.items():
-                    if not tr.is_closing():
-                        tr.write(b"".join(parts))
+            if not self._corked:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Each destination's frames in one write, stamped just before it: stamped once for
+        all before the first write, a later destination's frames left by the earlier
+        writes' time later than their stamps said."""
+        stamps, self._stamps = self._stamps, []
+        pending, self._pending = self._pending, {}
+        by_dst: dict[int, list] = {}
+        for st in stamps:
+            by_dst.setdefault(st[0], []).append(st)
+        for tr, parts in pending.items():
+            dst = next((d for d in by_dst if self.out.get(d) is tr), None)
+            now = time.monotonic()
+            for st in by_dst.pop(dst, ()):
+                self._depart(now, *st)
+            if not tr.is_closing():
+                tr.write(b"".join(parts))
+        now = time.monotonic()
+        for rest in by_dst.values():  # a closed connection's: counted as the others
+            for st in rest:
+                self._depart(now, *st)
 
     def _late(self, now: float, due: float) -> float:
         late = min(MAX_HOLD_S, max(0.0, now - due))
@@ -391,6 +551,8 @@ class Transport:
             self.early_held += 1
             self.early_held_s += floor - due
             due = floor
+        elif floor:  # handed on after the model's instant: how much (wall s)
+            self.after_model.append(due - floor)
         queue = self._due_queue.get(src)
         if due <= arrival and not queue:
             self.on_frame(frame, arrival)
@@ -429,11 +591,27 @@ class Transport:
             self.lost.add(peer)
             self._on_peer_lost(peer, why)
 
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            self.log(f"accept failed: {err!r}")
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._inbound = [c for c in self._inbound if not c.is_closing()]
+        self._inbound.append(_StampedConnection(sock, _Inbound(self), self.kernel_stamps))
+
     def close(self) -> None:
         for tr in self.out.values():
             tr.close()
-        if getattr(self, "server", None) is not None:
-            self.server.close()
+        if self._listener is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
 
 
 class _Outbound(asyncio.Protocol):

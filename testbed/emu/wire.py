@@ -800,6 +800,17 @@ class FrameDecoder:
         """True when EOF now would truncate a frame."""
         return bool(self._buf) or self._env is not None
 
+    @property
+    def need(self) -> int:
+        """Bytes still missing before the next frame, or the next envelope, is complete
+        (at least 1): a reader that takes just these learns when each frame's last byte came
+        (the emulator's stamped reads, ``transport._StampedConnection``)."""
+        env = self._env
+        if env is None:
+            return max(1, ENVELOPE_SIZE - len(self._buf))
+        rest = env.payload_len + env.pad_len + (env.meta_len if self._msg is None else 0)
+        return max(1, rest - len(self._buf))
+
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._failed is not None:
             raise self._failed

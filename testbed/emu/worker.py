@@ -193,7 +193,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                              self._on_frame, self._peer_lost, secret, log=self._log,
                              hold_scale=self.T if self.holds is not None else 0.0,
                              absorb_late=self.spec.emu.late_writes == "absorbed",
-                             link_s_per_byte=self._link_s_per_byte())
+                             link_s_per_byte=self._link_s_per_byte(),
+                             kernel_stamps=self.spec.emu.arrivals == "kernel")
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up
@@ -304,7 +305,15 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 # (a shaper's burst), held to the model's instant: how many, and wall ms per
                 # data frame received
                 "early_held": self.net.early_held,
-                "early_held_mean_ms": self.net.early_held_s / max(1, self.net.data_frames_in) * 1e3}
+                "early_held_mean_ms": self.net.early_held_s / max(1, self.net.data_frames_in) * 1e3,
+                # per read of a peer's bytes: wall ms from the kernel's receipt to the loop's
+                # read (the worker busy elsewhere), which ``emu.arrivals: kernel`` keeps off
+                # the frames' arrival; per data frame not held, how long after the model's
+                # instant the delay line handed it on
+                **{f"{name}_ms_{q}": float(np.percentile(v, qv) * 1e3) if v else 0.0
+                   for name, v in (("read_wait", self.net.read_waits),
+                                   ("after_model", self.net.after_model))
+                   for q, qv in (("p50", 50), ("p99", 99), ("max", 100))}}
 
 
 def warm_router(router, layers: int) -> float:

@@ -97,7 +97,7 @@ class Peers:
         self.loop.call_at(self.wall((window + 1) * self.window), self._tick, window + 1)
 
     def _send(self, dst: int, frame: Frame, resolve=None, at: float | None = None,
-              modeled: bool = True, on_ack=None) -> bool:
+              modeled: bool = True, on_ack=None, hold_n: int | None = None) -> bool:
         """Send ``frame``; ``resolve(dst)`` runs if ``dst`` is lost before acknowledging it,
         ``on_ack()`` (with ``resolve`` only) when it acknowledges it.
         ``at`` is the model time the frame is sent: a frame to this server itself arrives
@@ -109,7 +109,9 @@ class Peers:
         ``modeled=False``: a frame the simulator does not send (the HIDDEN frame for an
         aggregator that runs none of the layer's experts: the header alone where the one
         participant folds the residual into its partial, else the state, which a real
-        participant would fold): it takes no part in the congestion window."""
+        participant would fold): it takes no part in the congestion window. ``hold_n``: how
+        many of a dispatch group's frames to ``dst`` are modeled (its ``group_n`` counts them
+        all), the message size of its window wait."""
         if dst == self.rank:
             self.loop.call_soon(self._on_frame, frame,
                                 time.monotonic() if at is None else self.wall(at))
@@ -118,7 +120,7 @@ class Peers:
             return False
         if (self.holds is not None and at is not None and modeled
                 and isinstance(frame.msg, TENSOR_MESSAGES)):
-            frame = self._held(dst, frame, at)
+            frame = self._held(dst, frame, at, hold_n)
         ok = self.net.send(dst, frame, None if at is None else self.wall(at), modeled)
         if ok:
             self.stats["frames_out"] += 1
@@ -126,12 +128,13 @@ class Peers:
                 self.unacked[dst].append((self.net.sent_frames[dst], resolve, on_ack))
         return ok
 
-    def _held(self, dst: int, frame: Frame, at: float) -> Frame:
+    def _held(self, dst: int, frame: Frame, at: float, hold_n: int | None = None) -> Frame:
         """``frame`` with its congestion-window wait (``net.transport: tcp``): a dispatch
         group is one message, as in the simulator, so its frames share the wait of the
-        whole group, computed at its first frame."""
+        whole group (its ``hold_n`` modeled frames, else all ``group_n``), computed at its
+        first frame."""
         m = frame.msg
-        n = getattr(m, "group_n", 1)
+        n = hold_n if hold_n is not None else getattr(m, "group_n", 1)
         got = None
         clock = self.holds[dst]
         if n > 1:

@@ -135,9 +135,9 @@ class Routing:
                 last = max(last, got[3])
         if not routed_all:
             return
-        oks, counts = self._grouping(routed_all)
+        oks, counts, held = self._grouping(routed_all)
         self._groups += 1
-        group = (self._groups, counts)
+        group = (self._groups, counts, held)
         built = [self._outgoing(tok, h, t_layer, 0, tv, routed, t_dec, last, group if ok else None)
                  for ok, (tok, h, t_layer, (tv, routed, t_dec, _)) in zip(oks, routed_all)]
         if self.wall(last) > time.monotonic():
@@ -145,10 +145,18 @@ class Routing:
         else:
             self._dispatch_step(routed_all, last, oks, group, built)
 
-    def _grouping(self, routed_all: list[tuple]) -> tuple[list[bool], dict[int, int]]:
+    def _grouping(self, routed_all: list[tuple]
+                  ) -> tuple[list[bool], dict[int, int], dict[int, int]]:
         """Which decided tokens go in the step's dispatch group (all their destinations
-        reachable) and how many frames of it each destination gets."""
+        reachable), how many frames of it each destination gets, and how many of those the
+        simulator sends (to a participant; an aggregator that runs none of a token's experts
+        gets a frame the simulator does not send): the size of the one message whose
+        congestion-window wait the group's frames share. Counted with every frame, a group
+        waited for bytes the simulator's message does not hold: 24.8 us more than the
+        simulator's fan-out, three hidden states at 8 Gbit/s, on asym5's first prompt
+        (HetRoute, 10 req/s, ``python -m analysis first-fork``)."""
         counts: dict[int, int] = {}
+        held: dict[int, int] = {}
         oks = []
         for *_, (tv, routed, t_dec, _) in routed_all:
             dests = set(routed.per_server) | {int(routed.assignment.next_server)}
@@ -156,18 +164,21 @@ class Routing:
             if ok:
                 for n in dests:
                     counts[n] = counts.get(n, 0) + 1
+                for n in routed.per_server:
+                    held[n] = held.get(n, 0) + 1
             oks.append(ok)
-        return oks, counts
+        return oks, counts, held
 
     def _dispatch_step(self, routed_all: list[tuple], t_disp: float, oks: list[bool],
                        group: tuple[int, dict[int, int]], built: list) -> None:
         """A token with a destination already lost goes on its own (its dispatch fails and
         routes again), so that every group it would have joined still completes. Where a
         peer was lost since the frames were built, the group is formed and built again."""
-        if self._grouping(routed_all) != (oks, group[1]):
-            oks, counts = self._grouping(routed_all)
+        regrouped = self._grouping(routed_all)
+        if regrouped[:2] != (oks, group[1]):
+            oks, counts, held = regrouped
             self._groups += 1
-            group = (self._groups, counts)
+            group = (self._groups, counts, held)
             built = [None] * len(routed_all)
         with self._together():  # one write per destination
             for ok, b, (tok, h, t_layer, (tv, routed, t_dec, _)) in zip(oks, built, routed_all):
@@ -204,7 +215,8 @@ class Routing:
 
     def _outgoing(self, tok: Token, h: torch.Tensor, t_layer: float, retries: int,
                   tv: TokenView, routed: Routed, t_dec: float, t_disp: float,
-                  group: tuple[int, dict[int, int]] | None = None) -> tuple[Hidden, dict]:
+                  group: tuple[int, dict[int, int], dict[int, int]] | None = None
+                  ) -> tuple[Hidden, dict]:
         """The HIDDEN message of a decided token-layer and its frame per destination (the
         participants and the aggregator, in sending order), encoded. Built before the
         dispatch time, while the decision's charged time runs: built at that time they were
@@ -246,8 +258,10 @@ class Routing:
 
     def _dispatch(self, tok: Token, h: torch.Tensor, t_layer: float, retries: int,
                   tv: TokenView, routed: Routed, t_dec: float, t_disp: float,
-                  group: tuple[int, dict[int, int]] | None = None, built=None) -> None:
-        """``group``: (id, frames per destination) of a step's dispatch (``_dispatch_step``);
+                  group: tuple[int, dict[int, int], dict[int, int]] | None = None,
+                  built=None) -> None:
+        """``group``: (id, frames per destination, modeled frames per destination) of a step's
+        dispatch (``_dispatch_step``);
         ``built``: what ``_outgoing`` made of it ahead of this time (made now if None)."""
         if self.stopping:
             return
@@ -274,7 +288,8 @@ class Routing:
             if n == agg and tok.home == self.rank and self.cfg.faults:
                 def acked(n=n) -> None:  # the aggregator holds it: this home's custody of it
                     self.hand_off_acked(n, rid, index, t_disp)
-            if not self._send(n, f, lost, at=t_disp, modeled=n in routed.per_server, on_ack=acked):
+            if not self._send(n, f, lost, at=t_disp, modeled=n in routed.per_server, on_ack=acked,
+                              hold_n=None if group is None else group[2].get(n, 0)):
                 self.relayered.add(key)  # retried below; what was sent of it is stale
                 self.view.alive[n] = False
                 self.view.faultless = False
