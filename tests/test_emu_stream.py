@@ -434,30 +434,19 @@ def test_a_step_does_not_wait_for_an_older_requests_job_still_on_its_way():
     assert done[1][1] == pytest.approx(t + 3 * COMP, abs=1e-9)
 
 
-def test_a_senders_frames_carry_the_simulators_window_wait_and_the_receiver_adds_it():
-    # net.transport: tcp with the transport delay line: the kernel's own TCP sees no round
-    # trip, so the sender models its window as the simulator does and each data frame
-    # carries the wait (hold_s); a dispatch group is one message whose frames share it
+def _windowed_sender(bw, delay, msg):
+    """Server 0's peer side under ``net.transport: tcp`` (its window clocks towards server
+    1), writing into a list: (node, the frames it sent)."""
+    from types import SimpleNamespace as NS
+
     from testbed.emu.node.peers import Peers
-    from testbed.emu.transport import Transport
-    from testbed.emu.wire import Frame, Hidden, Pick, Pong, decode, encode, tensor_frame
-    from testbed.tcp import TcpParams, hold_clocks, windows
-
-    bw = [[0.0, 1e9], [1e9, 0.0]]
-    delay = [[0.0, 5e-3], [5e-3, 0.0]]
-    msg = 100_000  # one hidden state's wire bytes: 70 segments, past the initial window
+    from testbed.tcp import TcpParams, hold_clocks
     sent = []
-
-    class Net:
-        sent_frames = {1: 0}
-
-        def send(self, dst, frame, due=None, modeled=True):
-            sent.append(frame)
-            return True
 
     class Node(Peers):
         N, rank, T, t0, stopping = 2, 0, T, time.monotonic(), False
-        net = Net()
+        net = NS(sent_frames={1: 0}, send=lambda dst, f, due=None, modeled=True:
+                 sent.append(f) or True)
         reachable = [True, True]
 
         def wall(self, t):
@@ -467,6 +456,21 @@ def test_a_senders_frames_carry_the_simulators_window_wait_and_the_receiver_adds
     node.stats = {"frames_out": 0}
     node._init_peers()
     node.holds = hold_clocks(TcpParams(), bw, delay, 1.0, 0, msg)
+    return node, sent
+
+
+def test_a_senders_frames_carry_the_simulators_window_wait_and_the_receiver_adds_it():
+    # net.transport: tcp with the transport delay line: the kernel's own TCP sees no round
+    # trip, so the sender models its window as the simulator does and each data frame
+    # carries the wait (hold_s); a dispatch group is one message whose frames share it
+    from testbed.emu.transport import Transport
+    from testbed.emu.wire import Frame, Hidden, Pick, Pong, decode, encode, tensor_frame
+    from testbed.tcp import TcpParams, windows
+
+    bw = [[0.0, 1e9], [1e9, 0.0]]
+    delay = [[0.0, 5e-3], [5e-3, 0.0]]
+    msg = 100_000  # one hidden state's wire bytes: 70 segments, past the initial window
+    node, sent = _windowed_sender(bw, delay, msg)
 
     def hidden(token, group, n):
         m = Hidden(0, 9, token, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), (),
@@ -717,10 +721,9 @@ def test_a_dispatch_groups_window_wait_counts_only_the_frames_the_simulator_send
     simulator's (three more hidden states at 8 Gbit/s)."""
     from types import SimpleNamespace as NS
 
-    from testbed.emu.node.peers import Peers
     from testbed.emu.node.routing import Routing
     from testbed.emu.wire import Hidden, Pick, tensor_frame
-    from testbed.tcp import TcpParams, hold_clocks, windows
+    from testbed.tcp import TcpParams, windows
 
     def routed(participants, agg):
         return (None, None, 0.0, (None, NS(per_server={n: [0] for n in participants},
@@ -733,21 +736,7 @@ def test_a_dispatch_groups_window_wait_counts_only_the_frames_the_simulator_send
     assert counts == {0: 1, 1: 3, 2: 1} and held == {0: 1, 1: 2, 2: 1}
 
     bw, delay, msg = [[0.0, 1e9], [1e9, 0.0]], [[0.0, 5e-3], [5e-3, 0.0]], 100_000
-    sent = []
-
-    class Node(Peers):
-        N, rank, T, t0, stopping = 2, 0, T, time.monotonic(), False
-        net = NS(sent_frames={1: 0}, send=lambda dst, f, due=None, modeled=True:
-                 sent.append(f) or True)
-        reachable = [True, True]
-
-        def wall(self, t):
-            return self.t0 + self.T * t
-
-    node = Node()
-    node.stats = {"frames_out": 0}
-    node._init_peers()
-    node.holds = hold_clocks(TcpParams(), bw, delay, 1.0, 0, msg)
+    node, sent = _windowed_sender(bw, delay, msg)
     frames = [tensor_frame(Hidden(0, 9, k, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0,
                                   (Pick(3, 5, 0),), (), group=7, group_n=3), torch.zeros(4))
               for k in range(3)]

@@ -321,7 +321,6 @@ class Transport:
         #: per read of a proven peer's bytes, wall s from the kernel's receipt to the read
         #: (0 when unstamped): the loop's own wait, which a kernel stamp keeps off the link
         self.read_waits: list[float] = []
-        self._inbound: list[_StampedConnection] = []
         self._listener: socket.socket | None = None
         #: wall seconds a byte takes on each outgoing shaped link (T / (B x payload
         #: efficiency)); a destination without one is modeled as infinitely fast
@@ -601,8 +600,7 @@ class Transport:
             self.log(f"accept failed: {err!r}")
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._inbound = [c for c in self._inbound if not c.is_closing()]
-        self._inbound.append(_StampedConnection(sock, _Inbound(self), self.kernel_stamps))
+        _StampedConnection(sock, _Inbound(self), self.kernel_stamps)  # the loop's reader keeps it
 
     def close(self) -> None:
         for tr in self.out.values():
