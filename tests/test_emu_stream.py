@@ -69,11 +69,15 @@ def _run(jobs_at, resident=lambda r: True, kernel=None, horizon=1.0, scope="repl
 
 
 def test_single_job_is_released_at_its_dilated_service_time():
-    s, done = _run([(0.0, 0)], horizon=0.2)
-    assert len(done) == 1
-    t, _ = done[0]
-    assert t == pytest.approx(COMP * T, abs=3e-3)  # 10 ms, a few ms of host jitter
-    assert s.stats.late[0] < 3e-3
+    # the second of two lone jobs: the first pays the cold code paths (4 ms once, after
+    # the page cache was dropped)
+    s, done = _run([(0.0, 0), (0.05, 0)], horizon=0.2)
+    assert len(done) == 2
+    t, j = done[1]
+    # from the job's own arrival (the loop may wake late to submit it), 10 ms wall,
+    # a few ms of host jitter
+    assert t - j.arrival * T == pytest.approx(COMP * T, abs=3e-3)
+    assert s.stats.late[1] < 3e-3
 
 
 def test_queued_jobs_of_a_cpu_replica_coalesce_and_pay_one_load():
