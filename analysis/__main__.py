@@ -1,5 +1,5 @@
 """``python -m analysis figure --fig N --backend B --scale S``, ``figures``, ``report``,
-``compare-steps``, ``first-fork``, ``agreement-table``."""
+``compare-steps``, ``first-fork``, ``seed-scatter``, ``agreement-table``."""
 
 from __future__ import annotations
 
@@ -92,6 +92,23 @@ def first_fork(run_a: Path = typer.Argument(..., help="a finished run folder (e.
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     typer.echo(format_fork(fork, (run_a.name, run_b.name)))
+
+
+@app.command("seed-scatter")
+def seed_scatter(sweep: Path = typer.Argument(..., help="an emulated sweep's folder, e.g. "
+                                             "results/fig9/emu-quick"),
+                 agree: Path = typer.Argument(..., help="where agree-sweep --sim-band put its "
+                                              "twins (its --out)")) -> None:
+    """Each seed's emulated ratio against its exact simulated twin, beside each jittered
+    twin's: their range, rms and how many stray past the tolerance, and the emulator's rms
+    over the jittered simulator's with a bootstrap interval over the seeds."""
+    from .seed_scatter import format_scatter, sweep_scatter
+    try:
+        points = sweep_scatter(sweep, agree)
+    except (ValueError, OSError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(format_scatter(points))
 
 
 @app.command("agreement-table")

@@ -1,0 +1,154 @@
+"""How far each seed's emulated run strays from its exact simulated twin, against how far a
+jittered simulated twin strays from the same twin (``python -m analysis seed-scatter``).
+
+A pooled agreement check can hold while single seeds stray far: at a point whose schedule
+branches on microseconds (HetRoute under load) one seed's ratio is a chaotic draw. What
+says whether the emulator is as faithful as an implementation with a known timing noise is
+the *spread* of its per-seed ratios next to the spread of the simulator's own, seed by
+seed, when the simulator runs with a mean hop jitter J (``sim.hop_jitter_s``, the runs that
+``agree-sweep --sim-band J`` leaves beside each twin). Both are read at the emulated run's
+cut, as the check reads them. The statistic is the root mean square of (ratio - 1) over
+the seeds; its emulator / null quotient gets a bootstrap interval over the seeds
+(resampled jointly, so a seed that is hard for both counts once). A quotient whose interval
+holds 1 says the emulator scatters as the simulator does under J of jitter; above 1, more.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from testbed.agreement import TOL, TOL_WORK, measure_cut, own_cut
+from testbed.records import read_records
+from testbed.spec import load_spec
+
+METRICS = ("work", "mean")
+#: one seed's ratio is out when it strays by more than the check's tolerance
+OUT = {"work": TOL_WORK, "mean": TOL["emu/sim"][0]}
+
+
+@dataclass
+class Spread:
+    """One side's per-seed ratios (against the exact twin) of one metric."""
+
+    ratios: np.ndarray  # per seed; NaN where a side finished no measured request by the cut
+
+    @property
+    def valid(self) -> np.ndarray:
+        return self.ratios[self.ratios == self.ratios]
+
+    def rms(self) -> float:
+        v = self.valid
+        return float(np.sqrt(np.mean((v - 1) ** 2))) if v.size else float("nan")
+
+    def out(self, tol: float) -> int:
+        return int((abs(self.valid - 1) > tol).sum())
+
+
+@dataclass
+class PointScatter:
+    """A point's emulator and jittered simulators, seed by seed, against its exact twins."""
+
+    point: str
+    seeds: list[int]
+    sides: dict[str, dict[str, Spread]] = field(default_factory=dict)  # side -> metric -> spread
+
+    def quotient(self, side: str, metric: str, draws: int = 4000, seed: int = 0
+                 ) -> tuple[float, float, float]:
+        """rms(emulator) / rms(side) and its 95% bootstrap interval over the seeds."""
+        e, j = self.sides["emu"][metric].ratios, self.sides[side][metric].ratios
+        both = (e == e) & (j == j)
+        e, j = e[both] - 1, j[both] - 1
+        if e.size < 2 or not np.any(j):
+            return float("nan"), float("nan"), float("nan")
+        idx = np.random.default_rng(seed).integers(0, e.size, size=(draws, e.size))
+        num, den = np.sqrt((e[idx] ** 2).mean(1)), np.sqrt((j[idx] ** 2).mean(1))
+        q = num[den > 0] / den[den > 0]
+        return (float(np.sqrt((e ** 2).mean() / (j ** 2).mean())),
+                float(np.percentile(q, 2.5)), float(np.percentile(q, 97.5)))
+
+
+def _ratio_pair(run: Path, cut: float | None, warmup_s: float, duration_s: float,
+                exact: tuple[float, int]) -> tuple[float, float]:
+    lat, _, done = measure_cut(*read_records(run), cut, warmup_s, duration_s)
+    mean = lat.mean() if lat.size else float("nan")
+    return (done / exact[1] if exact[1] else float("nan"),
+            mean / exact[0] if exact[0] == exact[0] and exact[0] else float("nan"))
+
+
+def _seed_runs(sweep: Path, agree: Path, rel: Path) -> dict[int, Path]:
+    """The point's emulated runs by seed: the sweep's own, then agree-sweep's further seeds."""
+    runs = {}
+    for d in sorted((sweep / rel).glob("*/spec.resolved.yaml")):
+        info = json.loads((d.parent / "run.json").read_text()) if (d.parent / "run.json").exists() else {}
+        if info.get("status") == "complete" and info.get("backend") == "emu":
+            runs[load_spec(d).seed] = d.parent
+    for d in (agree / rel).glob("emu-seed*"):
+        m = re.fullmatch(r"emu-seed(\d+)", d.name)
+        if m and (d / "run.json").exists() and json.loads((d / "run.json").read_text()).get(
+                "status") == "complete":
+            runs.setdefault(int(m.group(1)), d)
+    return runs
+
+
+def point_scatter(sweep: Path, agree: Path, rel: Path) -> PointScatter:
+    """One point: every emulated seed whose exact twin is under ``agree``, and every jitter
+    whose twin is there for all of those seeds."""
+    runs = _seed_runs(sweep, agree, rel)
+    seeds = sorted(s for s in runs if (agree / rel / f"seed{s}" / "run.json").exists())
+    if not seeds:
+        raise ValueError(f"no emulated seed of {rel} has a simulated twin under {agree}")
+    jitters = sorted({m.group(1) for d in (agree / rel).glob(f"seed{seeds[0]}-jitter*")
+                      if (m := re.fullmatch(rf"seed{seeds[0]}-jitter(.+)", d.name))},
+                     key=float)
+    jitters = [j for j in jitters
+               if all((agree / rel / f"seed{s}-jitter{j}" / "run.json").exists() for s in seeds)]
+    w = load_spec(runs[seeds[0]] / "spec.resolved.yaml").workload
+    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in ["emu", *jitters]}
+    for s in seeds:
+        cut = own_cut(json.loads((runs[s] / "run.json").read_text()).get("stats", {}))
+        lat, _, done = measure_cut(*read_records(agree / rel / f"seed{s}"), cut, w.warmup_s,
+                                   w.duration_s)
+        exact = (lat.mean() if lat.size else float("nan"), done)
+        rows["emu"].append(_ratio_pair(runs[s], cut, w.warmup_s,
+                                       w.duration_s, exact))
+        for j in jitters:
+            rows[j].append(_ratio_pair(agree / rel / f"seed{s}-jitter{j}", cut, w.warmup_s, w.duration_s, exact))
+    out = PointScatter(str(rel), seeds)
+    for side, pairs in rows.items():
+        arr = np.array(pairs, dtype=float)
+        out.sides[side] = {"work": Spread(arr[:, 0]), "mean": Spread(arr[:, 1])}
+    return out
+
+
+def sweep_scatter(sweep: Path, agree: Path) -> list[PointScatter]:
+    """Every point of an emulated sweep whose twins ``agree-sweep`` ran under ``agree``."""
+    rels = sorted({d.parent.parent.relative_to(sweep) for d in sweep.glob("**/spec.resolved.yaml")})
+    found = [r for r in rels if (agree / r).is_dir()]
+    if not found:
+        raise ValueError(f"none of the points of {sweep} has a folder under {agree}")
+    return [point_scatter(sweep, agree, r) for r in found]
+
+
+def format_scatter(points: list[PointScatter]) -> str:
+    lines = []
+    for p in points:
+        lines.append(f"{p.point}: {len(p.seeds)} seeds; each seed's ratio against its exact "
+                     f"simulated twin, at the emulated run's cut")
+        for metric in METRICS:
+            for side, spreads in p.sides.items():
+                sp = spreads[metric]
+                v = sp.valid
+                if not v.size:
+                    continue
+                name = "emulator" if side == "emu" else f"sim {side} s jitter"
+                q = "" if side == "emu" else (
+                    "   emulator rms / this: {:.2f} (95% {:.2f}-{:.2f})".format(*p.quotient(side, metric)))
+                lines.append(f"  {metric:>4} {name:>22}: {v.min():.3f}-{v.max():.3f}  rms "
+                             f"{sp.rms():.3f}  out of {OUT[metric]:.0%}: {sp.out(OUT[metric])} of "
+                             f"{v.size}{q}")
+    return "\n".join(lines)
