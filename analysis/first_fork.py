@@ -50,8 +50,11 @@ class Fork:
     #: |change of that difference from a token's layer to its next|, same rows: p50, p99, max
     per_layer_us: tuple[float, float, float]
     rows_before: int  # token-layers before the decision fork
-    #: |A's part - B's| per part (``PARTS``) over the same rows, µs: (p50, p99, max) each
+    #: |A's part - B's| per part (``PARTS``) over those of the same rows that ended in both
+    #: runs by the decision fork (a part still running then waits on work that followed it
+    #: in one run only), µs: (p50, p99, max) each
     parts_us: dict[str, tuple[float, float, float]]
+    parts_rows: int  # how many rows ``parts_us`` reads
 
     @property
     def first(self) -> str:
@@ -103,6 +106,12 @@ def first_fork(a: pd.DataFrame, b: pd.DataFrame, tol_s: float = 1e-6,
     steps = (bdt.groupby([before.request, before.token]).diff()
              if not before.empty else pd.Series(dtype=float))
     key = lambda i: tuple(int(v) for v in j.iloc[i][KEY])  # noqa: E731
+    if di is not None:
+        ends = [before.t_start_a + sum(before[f"{p}_a"] for p in PARTS),
+                before.t_start_b + sum(before[f"{p}_b"] for p in PARTS)]
+        ended = before[(ends[0] <= j.t_start_b.iloc[di]) & (ends[1] <= j.t_start_b.iloc[di])]
+    else:
+        ended = before
     return Fork(
         horizon_s=horizon_s, compared=len(j),
         decision_s=float(j.t_start_b.iloc[di]) if di is not None else None,
@@ -116,8 +125,9 @@ def first_fork(a: pd.DataFrame, b: pd.DataFrame, tol_s: float = 1e-6,
         drift_us=_quantiles(np.abs(bdt.dropna().to_numpy()) * 1e6),
         per_layer_us=_quantiles(np.abs(steps.dropna().to_numpy()) * 1e6),
         rows_before=len(before),
-        parts_us={p: _quantiles(np.abs((before[f"{p}_a"] - before[f"{p}_b"]).dropna().to_numpy()) * 1e6)
-                  for p in PARTS})
+        parts_us={p: _quantiles(np.abs((ended[f"{p}_a"] - ended[f"{p}_b"]).dropna().to_numpy()) * 1e6)
+                  for p in PARTS},
+        parts_rows=len(ended))
 
 
 def fork_of_runs(run_a: Path, run_b: Path, tol_s: float = 1e-6) -> Fork:
@@ -149,6 +159,7 @@ def format_fork(f: Fork, names: tuple[str, str]) -> str:
     lines.append(f"  before the first decision that differs ({f.rows_before} token-layers): start "
                  f"difference p50 {p[0]:.1f} / p99 {p[1]:.1f} / max {p[2]:.1f} us; its change per "
                  f"layer of a token p50 {q[0]:.1f} / p99 {q[1]:.1f} / max {q[2]:.1f} us")
-    lines.append("  their parts' differences, p50 / p99 / max us: " + "; ".join(
+    lines.append(f"  the parts' differences of the {f.parts_rows} of them that ended by it, "
+                 "p50 / p99 / max us: " + "; ".join(
         f"{p.removesuffix('_s')} {v[0]:.1f} / {v[1]:.1f} / {v[2]:.1f}" for p, v in f.parts_us.items()))
     return "\n".join(lines)

@@ -76,3 +76,16 @@ def test_two_runs_of_one_spec_do_not_part_and_jitter_parts_them(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "analysis", "first-fork", str(tmp_path),
                           str(tmp_path / "b")], capture_output=True, text=True)
     assert bad.returncode == 2 and "no token_layers" in bad.stderr
+
+
+def test_parts_are_compared_only_on_token_layers_that_ended_by_the_decision_fork():
+    """A step still running at the fork waits on work that followed it in one run only."""
+    a = list(REF)
+    a[2] = (1, 0, 0, 0.020, 2, 0, (1, 2))  # the decision fork, at 0.020
+    ta, tb = _tl(a), _tl(REF)
+    ta.loc[1, "compute_s"] = tb.loc[1, "compute_s"] = 0.015  # (0, 0, 1) runs past 0.020 ...
+    ta.loc[1, "compute_s"] = 0.016  # ... and differs by 1 ms, which is not timing noise
+    ta.loc[0, "fanout_s"] = 1e-4 + 2e-6  # (0, 0, 0) ended by the fork: its 2 us count
+    f = first_fork(ta, tb)
+    assert f.rows_before == 2 and f.parts_rows == 1
+    assert f.parts_us["fanout_s"][2] == pytest.approx(2.0) and f.parts_us["compute_s"][2] == 0
