@@ -157,6 +157,11 @@ class EmuSpec(_Model):
         "kernel", description="when a received frame arrived: 'kernel', the kernel's receive "
         "time of its last bytes (SO_TIMESTAMPNS), so a worker busy elsewhere does not delay "
         "what reached it; 'read', when the worker's loop read them (before 2026-12-03)")
+    socket_buffer_bytes: int = Field(
+        8 << 20, ge=0, le=1 << 30, description="each connection's send and receive buffer, "
+        "so that a worker busy with a kernel or a decision neither closes its peers' TCP "
+        "window nor idles its own link (testbed/emu/transport.py); 0: the kernel's autotuned "
+        "buffers (before 2026-12-03), whose 87 kB start holds 2 ms of a 312 Mbit/s link")
 
 
 class NetSpec(_Model):

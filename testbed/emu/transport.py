@@ -57,6 +57,20 @@ it completes. Read when the loop got to them, frames that came while
 the worker was busy elsewhere (a step's padding, a decision) were late by that wait, which
 is the host's Python and no part of the link; ``read_wait_ms_*`` per worker says how long.
 
+Each connection's socket buffers are set large (``emu.socket_buffer_bytes``, 8 MiB by
+default, since 2026-12-03): the receiver's on the listening socket before it listens
+(accepted connections inherit it and the window scale it implies), the sender's before it
+connects. The kernel's own start, an 87 kB receive buffer that grows only as the
+application reads, holds at most about 2 ms of wall time of asym5's fastest shaped link
+(312 Mbit/s at T = 32). While a receiving worker is busy longer than that (a kernel, a
+decision, a collection; on 2 cores kernels reach 3-9 ms of wall time at p99), its window
+closes and the bytes its peers send meanwhile reach its kernel, and their arrival stamps,
+only when it reads again (``tests/test_emu_buffers.py``: 200 ms busy, the last of 4 MB
+stamped 205 ms after the send began, against 3 ms with 8 MiB). That lateness is the host's
+and no stamp absorbs it; it shows in ``after_model_ms_*`` (asym5's HetRoute at 10 req/s,
+seed 12 run twice back to back: max 100.6 ms of wall time with the kernel's buffers, 10.4
+with 8 MiB). ``0`` keeps the kernel's autotuned buffers.
+
 Malformed, truncated or oversized frames close that connection only
 (``WireError``); the worker keeps serving everyone else.
 """
@@ -106,10 +120,27 @@ def _zeros(n: int) -> bytes | memoryview:
 
 
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux <asm-generic/socket.h>
+#: past ``net.core.[rw]mem_max`` (CAP_NET_ADMIN, which the emulator's root has); Linux values
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+
 _STAMP = struct.Struct("@qq")  # struct timespec
 _ANC = socket.CMSG_SPACE(_STAMP.size)
 _READ = 1 << 18  # bytes per read, at most
 _READS_PER_PASS = 64  # reads per readable callback before the loop serves the others
+
+
+def set_socket_buffer(sock: socket.socket, receive: bool, size: int) -> int:
+    """Set ``sock``'s receive (else send) buffer to ``size`` bytes, forced past the
+    system's maximum where the process may; returns what the kernel reports (it doubles
+    the request for its own bookkeeping)."""
+    opt, force = ((socket.SO_RCVBUF, SO_RCVBUFFORCE) if receive
+                  else (socket.SO_SNDBUF, SO_SNDBUFFORCE))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, force, size)
+    except OSError:  # not privileged: capped at net.core.[rw]mem_max
+        sock.setsockopt(socket.SOL_SOCKET, opt, size)
+    return sock.getsockopt(socket.SOL_SOCKET, opt)
 
 
 class _StampedConnection:
@@ -304,7 +335,7 @@ class Transport:
                  max_payload: int = DEFAULT_MAX_PAYLOAD, check_source: bool = True,
                  hold_scale: float = 0.0, absorb_late: bool = True,
                  link_s_per_byte: dict[int, float] | None = None,
-                 kernel_stamps: bool = True) -> None:
+                 kernel_stamps: bool = True, socket_buffer: int = 0) -> None:
         if len(secret) < 16:
             raise ValueError("the run secret must have at least 16 bytes")
         self.rank, self.port, self.peers = rank, port, peers
@@ -318,6 +349,10 @@ class Transport:
         #: ``emu.arrivals: kernel``: a frame arrives when the kernel received its last bytes
         #: (``_StampedConnection``), not when the loop got round to reading them
         self.kernel_stamps = kernel_stamps
+        #: ``emu.socket_buffer_bytes``: each connection's send and receive buffer (0: the
+        #: kernel's autotuned ones); ``buffers`` what the kernel reports having set
+        self.socket_buffer = socket_buffer
+        self.buffers: dict[str, int] = {}
         #: per read of a proven peer's bytes, wall s from the kernel's receipt to the read
         #: (0 when unstamped): the loop's own wait, which a kernel stamp keeps off the link
         self.read_waits: list[float] = []
@@ -371,6 +406,8 @@ class Transport:
         loop = asyncio.get_running_loop()
         lsock = self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.socket_buffer:  # before listen: accepted connections inherit it and its scale
+            self.buffers["rcvbuf"] = set_socket_buffer(lsock, True, self.socket_buffer)
         lsock.bind(("0.0.0.0", self.port))
         lsock.listen(64)
         lsock.setblocking(False)
@@ -379,8 +416,7 @@ class Transport:
         for peer, (host, port) in self.peers.items():
             while True:
                 try:
-                    tr, proto = await loop.create_connection(
-                        lambda p=peer: _Outbound(self, p), host=host, port=port)
+                    tr, proto = await self._connect(peer, host, port)
                     break
                 except OSError:
                     if time.monotonic() > t_end:
@@ -601,6 +637,20 @@ class Transport:
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _StampedConnection(sock, _Inbound(self), self.kernel_stamps)  # the loop's reader keeps it
+
+    async def _connect(self, peer: int, host: str, port: int):
+        """A connection to ``peer`` whose send buffer is set before it connects."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            if self.socket_buffer:
+                self.buffers["sndbuf"] = set_socket_buffer(sock, False, self.socket_buffer)
+            await loop.sock_connect(sock, (host, port))
+            return await loop.create_connection(lambda: _Outbound(self, peer), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
 
     def close(self) -> None:
         for tr in self.out.values():

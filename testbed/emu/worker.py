@@ -194,7 +194,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                              hold_scale=self.T if self.holds is not None else 0.0,
                              absorb_late=self.spec.emu.late_writes == "absorbed",
                              link_s_per_byte=self._link_s_per_byte(),
-                             kernel_stamps=self.spec.emu.arrivals == "kernel")
+                             kernel_stamps=self.spec.emu.arrivals == "kernel",
+                             socket_buffer=self.spec.emu.socket_buffer_bytes)
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up
@@ -313,7 +314,9 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 **{f"{name}_ms_{q}": float(np.percentile(v, qv) * 1e3) if v else 0.0
                    for name, v in (("read_wait", self.net.read_waits),
                                    ("after_model", self.net.after_model))
-                   for q, qv in (("p50", 50), ("p99", 99), ("max", 100))}}
+                   for q, qv in (("p50", 50), ("p99", 99), ("max", 100))},
+                # the connections' socket buffers as the kernel reports them (bytes)
+                **{f"{k}_bytes": v for k, v in self.net.buffers.items()}}
 
 
 def warm_router(router, layers: int) -> float:
