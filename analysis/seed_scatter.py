@@ -11,6 +11,9 @@ cut, as the check reads them. The statistic is the root mean square of (ratio - 
 the seeds; its emulator / null quotient gets a bootstrap interval over the seeds
 (resampled jointly, so a seed that is hard for both counts once). A quotient whose interval
 holds 1 says the emulator scatters as the simulator does under J of jitter; above 1, more.
+Beside the ratios, where each side's run first takes a routing decision differently from
+its exact twin (``first-fork``) and how far its starts had moved before that: a side with
+more timing noise parts sooner.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from testbed.agreement import TOL, TOL_WORK, measure_cut, own_cut
+
+from .first_fork import fork_of_runs
 from testbed.records import read_records
 from testbed.spec import load_spec
 
@@ -56,6 +61,10 @@ class PointScatter:
     point: str
     seeds: list[int]
     sides: dict[str, dict[str, Spread]] = field(default_factory=dict)  # side -> metric -> spread
+    #: side -> per seed, against the exact twin (``first_fork``): the first decision taken
+    #: differently (model s; NaN: none by the horizon) and the p99 of the start differences
+    #: before it (us)
+    forks: dict[str, np.ndarray] = field(default_factory=dict)
 
     def quotient(self, side: str, metric: str, draws: int = 4000, seed: int = 0
                  ) -> tuple[float, float, float]:
@@ -109,16 +118,19 @@ def point_scatter(sweep: Path, agree: Path, rel: Path) -> PointScatter:
                if all((agree / rel / f"seed{s}-jitter{j}" / "run.json").exists() for s in seeds)]
     w = load_spec(runs[seeds[0]] / "spec.resolved.yaml").workload
     rows: dict[str, list[tuple[float, float]]] = {k: [] for k in ["emu", *jitters]}
+    forks: dict[str, list[tuple[float, float]]] = {k: [] for k in rows}
     for s in seeds:
         cut = own_cut(json.loads((runs[s] / "run.json").read_text()).get("stats", {}))
         lat, _, done = measure_cut(*read_records(agree / rel / f"seed{s}"), cut, w.warmup_s,
                                    w.duration_s)
         exact = (lat.mean() if lat.size else float("nan"), done)
-        rows["emu"].append(_ratio_pair(runs[s], cut, w.warmup_s,
-                                       w.duration_s, exact))
-        for j in jitters:
-            rows[j].append(_ratio_pair(agree / rel / f"seed{s}-jitter{j}", cut, w.warmup_s, w.duration_s, exact))
-    out = PointScatter(str(rel), seeds)
+        for side in rows:
+            run = runs[s] if side == "emu" else agree / rel / f"seed{s}-jitter{side}"
+            rows[side].append(_ratio_pair(run, cut, w.warmup_s, w.duration_s, exact))
+            f = fork_of_runs(run, agree / rel / f"seed{s}")
+            forks[side].append((float("nan") if f.decision_s is None else f.decision_s,
+                                f.drift_us[1]))
+    out = PointScatter(str(rel), seeds, forks={k: np.array(v, dtype=float) for k, v in forks.items()})
     for side, pairs in rows.items():
         arr = np.array(pairs, dtype=float)
         out.sides[side] = {"work": Spread(arr[:, 0]), "mean": Spread(arr[:, 1])}
@@ -151,4 +163,12 @@ def format_scatter(points: list[PointScatter]) -> str:
                 lines.append(f"  {metric:>4} {name:>22}: {v.min():.3f}-{v.max():.3f}  rms "
                              f"{sp.rms():.3f}  out of {OUT[metric]:.0%}: {sp.out(OUT[metric])} of "
                              f"{v.size}{q}")
+        for side, f in p.forks.items():
+            name = "emulator" if side == "emu" else f"sim {side} s jitter"
+            d = f[:, 0][f[:, 0] == f[:, 0]]
+            q = (" / ".join(f"{np.percentile(d, x) * 1e3:.1f}" for x in (25, 50, 75))
+                 if d.size else "-")
+            lines.append(f"  fork {name:>22}: first decision taken differently at p25 / p50 / "
+                         f"p75 {q} ms ({f.shape[0] - d.size} seeds none); start difference "
+                         f"before it p99 {np.nanmedian(f[:, 1]):.1f} us (median over the seeds)")
     return "\n".join(lines)

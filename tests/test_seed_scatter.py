@@ -50,6 +50,7 @@ def test_an_emulator_that_strays_as_the_jittered_simulator_does_scatters_as_it(t
     for metric in ("work", "mean"):
         e, j = p.sides["emu"][metric], p.sides["1e-05"][metric]
         np.testing.assert_array_equal(e.ratios, j.ratios)
+    np.testing.assert_array_equal(p.forks["emu"], p.forks["1e-05"])
     moved = [m for m in ("work", "mean") if p.sides["1e-05"][m].rms() > 0]
     assert moved, "10 us of jitter moved nothing: the check below would be empty"
     for m in moved:
@@ -64,6 +65,8 @@ def test_an_emulator_exact_to_the_simulator_does_not_scatter_and_bad_folders_are
     (p,) = sweep_scatter(tmp_path / "sweep", agree)
     assert p.seeds == [0]  # seed 1 has twins but no emulated run
     assert p.sides["emu"]["work"].rms() == 0 and p.sides["emu"]["work"].out(0.05) == 0
+    assert np.isnan(p.forks["emu"][0, 0]) and p.forks["emu"][0, 1] == 0  # never parts
+    assert p.forks["1e-05"][0, 1] > 0  # the jittered twin's starts moved
     cli = subprocess.run([sys.executable, "-m", "analysis", "seed-scatter", str(tmp_path / "sweep"),
                           str(agree)], capture_output=True, text=True)
     assert cli.returncode == 0 and "rms 0.000" in cli.stdout
