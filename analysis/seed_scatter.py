@@ -25,11 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.agreement import TOL, TOL_WORK, measure_cut, own_cut
-
-from .first_fork import fork_of_runs
+from testbed.agreement import (TOL, TOL_WORK, emulated_points, further_seed_dir, measure_cut,
+                               own_cut, twin_dir)
 from testbed.records import read_records
 from testbed.spec import load_spec
+
+from .first_fork import first_fork
 
 METRICS = ("work", "mean")
 #: one seed's ratio is out when it strays by more than the check's tolerance
@@ -81,25 +82,14 @@ class PointScatter:
                 float(np.percentile(q, 2.5)), float(np.percentile(q, 97.5)))
 
 
-def _ratio_pair(run: Path, cut: float | None, warmup_s: float, duration_s: float,
-                exact: tuple[float, int]) -> tuple[float, float]:
-    lat, _, done = measure_cut(*read_records(run), cut, warmup_s, duration_s)
-    mean = lat.mean() if lat.size else float("nan")
-    return (done / exact[1] if exact[1] else float("nan"),
-            mean / exact[0] if exact[0] == exact[0] and exact[0] else float("nan"))
-
-
 def _seed_runs(sweep: Path, agree: Path, rel: Path) -> dict[int, Path]:
-    """The point's emulated runs by seed: the sweep's own, then agree-sweep's further seeds."""
-    runs = {}
-    for d in sorted((sweep / rel).glob("*/spec.resolved.yaml")):
-        info = json.loads((d.parent / "run.json").read_text()) if (d.parent / "run.json").exists() else {}
-        if info.get("status") == "complete" and info.get("backend") == "emu":
-            runs[load_spec(d).seed] = d.parent
+    """The point's emulated runs by seed: the sweep's own, then those agree-sweep ran for
+    further seeds (``further_seed_dir``)."""
+    runs = {spec.seed: run for run, spec, _ in emulated_points(sweep).get(sweep / rel, [])}
     for d in (agree / rel).glob("emu-seed*"):
         m = re.fullmatch(r"emu-seed(\d+)", d.name)
-        if m and (d / "run.json").exists() and json.loads((d / "run.json").read_text()).get(
-                "status") == "complete":
+        if (m and d == further_seed_dir(agree, rel, int(m.group(1))) and (d / "run.json").exists()
+                and json.loads((d / "run.json").read_text()).get("status") == "complete"):
             runs.setdefault(int(m.group(1)), d)
     return runs
 
@@ -108,26 +98,29 @@ def point_scatter(sweep: Path, agree: Path, rel: Path) -> PointScatter:
     """One point: every emulated seed whose exact twin is under ``agree``, and every jitter
     whose twin is there for all of those seeds."""
     runs = _seed_runs(sweep, agree, rel)
-    seeds = sorted(s for s in runs if (agree / rel / f"seed{s}" / "run.json").exists())
+    seeds = sorted(s for s in runs if (twin_dir(agree, rel, s) / "run.json").exists())
     if not seeds:
         raise ValueError(f"no emulated seed of {rel} has a simulated twin under {agree}")
-    jitters = sorted({m.group(1) for d in (agree / rel).glob(f"seed{seeds[0]}-jitter*")
-                      if (m := re.fullmatch(rf"seed{seeds[0]}-jitter(.+)", d.name))},
-                     key=float)
+    jitters = sorted({float(m.group(1)) for d in (agree / rel).glob(f"seed{seeds[0]}-jitter*")
+                      if (m := re.fullmatch(rf"seed{seeds[0]}-jitter(.+)", d.name))})
     jitters = [j for j in jitters
-               if all((agree / rel / f"seed{s}-jitter{j}" / "run.json").exists() for s in seeds)]
+               if all((twin_dir(agree, rel, s, j) / "run.json").exists() for s in seeds)]
+    names = {"emu": None, **{f"{j:g}": j for j in jitters}}
     w = load_spec(runs[seeds[0]] / "spec.resolved.yaml").workload
-    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in ["emu", *jitters]}
-    forks: dict[str, list[tuple[float, float]]] = {k: [] for k in rows}
+    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
+    forks: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
     for s in seeds:
         cut = own_cut(json.loads((runs[s] / "run.json").read_text()).get("stats", {}))
-        lat, _, done = measure_cut(*read_records(agree / rel / f"seed{s}"), cut, w.warmup_s,
-                                   w.duration_s)
+        ref = read_records(twin_dir(agree, rel, s))
+        lat, _, done = measure_cut(*ref, cut, w.warmup_s, w.duration_s)
         exact = (lat.mean() if lat.size else float("nan"), done)
-        for side in rows:
-            run = runs[s] if side == "emu" else agree / rel / f"seed{s}-jitter{side}"
-            rows[side].append(_ratio_pair(run, cut, w.warmup_s, w.duration_s, exact))
-            f = fork_of_runs(run, agree / rel / f"seed{s}")
+        for side, j in names.items():
+            recs = read_records(runs[s] if side == "emu" else twin_dir(agree, rel, s, j))
+            lat, _, done = measure_cut(*recs, cut, w.warmup_s, w.duration_s)
+            mean = lat.mean() if lat.size else float("nan")
+            rows[side].append((done / exact[1] if exact[1] else float("nan"),
+                               mean / exact[0] if exact[0] == exact[0] and exact[0] else float("nan")))
+            f = first_fork(recs[0], ref[0])
             forks[side].append((float("nan") if f.decision_s is None else f.decision_s,
                                 f.drift_us[1]))
     out = PointScatter(str(rel), seeds, forks={k: np.array(v, dtype=float) for k, v in forks.items()})
@@ -139,7 +132,7 @@ def point_scatter(sweep: Path, agree: Path, rel: Path) -> PointScatter:
 
 def sweep_scatter(sweep: Path, agree: Path) -> list[PointScatter]:
     """Every point of an emulated sweep whose twins ``agree-sweep`` ran under ``agree``."""
-    rels = sorted({d.parent.parent.relative_to(sweep) for d in sweep.glob("**/spec.resolved.yaml")})
+    rels = sorted(point.relative_to(sweep) for point in emulated_points(sweep))
     found = [r for r in rels if (agree / r).is_dir()]
     if not found:
         raise ValueError(f"none of the points of {sweep} has a folder under {agree}")

@@ -489,6 +489,30 @@ def compare_point(router: str, emu: tuple[pd.DataFrame, pd.DataFrame],
     return n, check
 
 
+def emulated_points(sweep_dir: Path) -> dict[Path, list[tuple[Path, ExperimentSpec, dict]]]:
+    """A sweep's complete emulated runs per point folder: (run, resolved spec, run.json), in
+    order of seed."""
+    points: dict[Path, list[tuple[Path, ExperimentSpec, dict]]] = {}
+    for run in sorted(p.parent for p in Path(sweep_dir).glob("**/spec.resolved.yaml")):
+        info = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
+        if info.get("status") != "complete" or info.get("backend") != "emu":
+            continue
+        points.setdefault(run.parent, []).append((run, load_spec(run / "spec.resolved.yaml"), info))
+    for have in points.values():
+        have.sort(key=lambda r: r[1].seed)
+    return points
+
+
+def further_seed_dir(out: Path, rel: Path, seed: int) -> Path:
+    """Where ``sweep_agreement`` runs a seed the sweep did not, on the emulator."""
+    return out / rel / f"emu-seed{seed}"
+
+
+def twin_dir(out: Path, rel: Path, seed: int, jitter_s: float | None = None) -> Path:
+    """Where ``sweep_agreement`` runs a seed's simulated twin, exact or under a hop jitter."""
+    return out / rel / (f"seed{seed}" if jitter_s is None else f"seed{seed}-jitter{jitter_s:g}")
+
+
 def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
                     seeds: int = 1, band: tuple[float, ...] = ()) -> list[PointComparison]:
     """Every point of an emulated sweep against the simulator on its own resolved specs (runs
@@ -514,12 +538,7 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
     bad = band_error(band)
     if bad:
         raise ValueError(bad)
-    points: dict[Path, list[tuple[Path, ExperimentSpec, dict]]] = {}
-    for run in sorted(p.parent for p in Path(sweep_dir).glob("**/spec.resolved.yaml")):
-        info = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
-        if info.get("status") != "complete" or info.get("backend") != "emu":
-            continue
-        points.setdefault(run.parent, []).append((run, load_spec(run / "spec.resolved.yaml"), info))
+    points = emulated_points(sweep_dir)
     rows = []
     bar = tqdm(total=len(points), desc="agree-sweep", unit="point", disable=not progress)
 
@@ -530,28 +549,28 @@ def sweep_agreement(sweep_dir: Path, out: Path, progress: bool = True,
             run_experiment(spec, run, progress=False)
 
     for point, have in points.items():
-        have.sort(key=lambda r: r[1].seed)
         rel, base = point.relative_to(sweep_dir), have[0][1]
         runs: list[tuple[Path, ExperimentSpec, dict | None]] = list(have)
         taken, seed = {s.seed for _, s, _ in have}, base.seed
         while len(runs) < seeds:
             seed += 1
             if seed not in taken:
-                runs.append((out / rel / f"emu-seed{seed}", base.with_overrides({"seed": seed}), None))
+                runs.append((further_seed_dir(out, rel, seed), base.with_overrides({"seed": seed}),
+                             None))
         pairs, cuts, dil = [], [], None
         jittered: dict[float, list] = {}
         for run, spec, info in runs:
             if info is None:  # a further seed: run it on the emulator here
                 ensure(spec, run, "emulated")
                 info = json.loads((run / "run.json").read_text())
-            twin = out / rel / f"seed{spec.seed}"
+            twin = twin_dir(out, rel, spec.seed)
             ensure(spec.with_overrides(SIM_TWIN), twin, "simulated twin")
             stats = info.get("stats", {})
             cuts.append(own_cut(stats))
             pairs.append((read_records(run), read_records(twin), cuts[-1]))
             dil = dil if dil is not None else stats.get("dilation")
             for j in band:  # the jittered twins of this seed, cut where its emulated run stopped
-                jt = out / rel / f"seed{spec.seed}-jitter{j:g}"
+                jt = twin_dir(out, rel, spec.seed, j)
                 ensure(spec.with_overrides({**SIM_TWIN, "sim.hop_jitter_s": j}), jt,
                        f"simulated, {j:g} s jitter")
                 jittered.setdefault(j, []).append((read_records(jt), cuts[-1]))
