@@ -805,3 +805,106 @@ def test_a_frame_whose_bytes_come_early_is_held_to_the_models_instant():
     # written 8 ms late and its bytes 3 ms early of the model's end: the model's instant
     at, net = handed(0.003 - 0.008, late=0.008)
     assert at == pytest.approx(0.015, abs=1e-3) and net.early_held == 1
+
+
+def test_a_control_frame_is_stamped_behind_the_data_and_holds_up_none():
+    """A STATE or FEEDBACK sent with a due time is stamped as a data frame, at the
+    simulator's header bytes (``control_bytes``) on the model's link behind the data sent
+    before it, without moving the data after it (``SimBackend.send_control``); the
+    receiver's delay line keeps it behind the data frames its peer sent ahead of it."""
+    from testbed.emu.transport import Transport
+    from testbed.emu.wire import Frame, FrameDecoder, State, tensor_frame
+
+    m = _HIDDEN
+    probe, _ = _sender()
+    probe.send(1, tensor_frame(m, torch.zeros(4)))
+    spb = 0.010 / probe.sent_bytes  # a data frame: 10 ms on the link
+    sender, wire = _sender({1: spb})
+    t = time.monotonic() + 0.5
+    state = Frame(State(0, 3, 0.06, 0.06, 0.001, (True, True), (0, 0)))
+    assert sender.send(1, tensor_frame(m, torch.zeros(4)), due=t)
+    assert sender.send(1, state, due=t)
+    assert sender.send(1, tensor_frame(m, torch.zeros(4)), due=t)
+    assert sender.send(1, state)  # no due time: unstamped, as before
+    got = FrameDecoder().feed(bytes(wire.data))
+    ends = [f.msg.due_end_s for f in got]
+    assert ends[0] == pytest.approx(t + 0.010, abs=1e-9)
+    assert ends[1] == pytest.approx(t + 0.010 + 64 * spb, abs=1e-9)  # behind it, 64 bytes' time
+    assert ends[2] == pytest.approx(t + 0.020, abs=1e-9)  # not held up by the STATE
+    assert ends[3] == 0.0 and got[1].msg.backlog_s == 0.001
+
+    handed = []
+    loop = precise_loop()
+    net = Transport(1, 0, {}, [0.020, 0.0], lambda f, a: handed.append((type(f.msg), a)),
+                    lambda p, why: None, b"s" * 16)
+
+    async def go():
+        now = time.monotonic()
+        net.deliver(tensor_frame(replace(m, due_end_s=now + 0.006), torch.zeros(4)), 0, now)
+        net.deliver(Frame(replace(state.msg, due_end_s=now + 0.001)), 0, now)  # due before it
+        net.deliver(Frame(state.msg), 0, now)  # unstamped: its own delay, as before
+        await asyncio.sleep(0.05)
+        return now
+    now = loop.run_until_complete(go())
+    loop.close()
+    kinds = [k.__name__ for k, _ in handed]
+    at = {i: a - now for i, (_, a) in enumerate(handed)}
+    assert kinds == ["State", "Hidden", "State"]
+    assert at[0] == pytest.approx(0.020, abs=2e-3)  # the unstamped one: arrival + delay
+    assert at[1] == pytest.approx(0.026, abs=2e-3) and at[2] == at[1]  # held behind the data
+
+
+def test_a_tick_publishes_its_instants_backlog_and_sees_what_arrived_by_it():
+    """``Peers._tick`` broadcasts the stream's backlog as of the tick's model instant (not
+    of when the loop ran it), due then; its view takes each peer's last STATE whose
+    arrival is no later than the tick's instant, even one the loop handed on first."""
+    from types import SimpleNamespace
+
+    from testbed.emu.node.peers import Peers
+    from testbed.emu.wire import Frame, State
+
+    T = 10.0
+    sent, refreshed = [], []
+
+    class Node(Peers):
+        N, rank, window, stopping = 3, 0, 0.02, False
+
+        def wall(self, t):
+            return self.t0 + t * T
+
+        def now(self):
+            return (time.monotonic() - self.t0) / T
+
+        def _send(self, dst, frame, resolve=None, at=None, **kw):
+            sent.append((dst, frame.msg.backlog_s, at))
+            return True
+
+        def _fault_tick(self):
+            pass
+
+        def _log(self, text):
+            raise AssertionError(text)
+
+    node = Node()
+    node.T = T
+    node.peer_alive = [True] * 3
+    node.t0 = time.monotonic() - 0.45  # the tick of window 2 (0.4 s of wall time) runs late
+    node._init_peers()
+    node.stats = {}
+    node.last_heard = [time.monotonic()] * 3
+    node.net = SimpleNamespace(received_frames={})
+    node.stream = SimpleNamespace(sched=SimpleNamespace(backlog=lambda t: 1.0 - t))
+    node.view = SimpleNamespace(refresh=lambda w, at, snap, alive: refreshed.append(list(snap)))
+    node.loop = SimpleNamespace(call_at=lambda *a: None)
+    w2 = node.wall(0.04)
+    st = lambda src, b: Frame(State(src, 1, 0.02, 0.02, b, (True,) * 3, ()))  # noqa: E731
+    node._handle(st(1, 0.5), w2 - 0.01)  # arrived before the tick's instant
+    node._handle(st(2, 0.7), w2 + 0.01)  # after it, though handed on before the tick ran
+    node._tick(2)
+    assert sent == [(1, pytest.approx(0.96), 0.04), (2, pytest.approx(0.96), 0.04)]
+    assert refreshed[-1] == [pytest.approx(0.96), 0.5, 0.0]
+    node._handle(st(1, 0.9), w2 - 0.005)  # due by the tick that already ran: counted
+    assert node.stats["state_after_tick"] == 1
+    node.loop = SimpleNamespace(call_at=lambda *a: None)
+    node._tick(3)
+    assert refreshed[-1][1:] == [0.9, 0.7]

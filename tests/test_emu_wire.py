@@ -242,7 +242,7 @@ def _patch(data: bytes, offset: int, fmt: str, value: object) -> bytes:
 
 
 @pytest.mark.parametrize("cls,field,fmt,value,msg", [
-    (None, "version", "B", 10, "version"),
+    (None, "version", "B", w.VERSION + 1, "version"),
     (None, "kind", "B", 99, "kind"),
     (None, "kind", "B", w.Kind.PING, "after the PING fields|carries no payload"),
     (None, "meta_len", "H", 7, "truncated"),

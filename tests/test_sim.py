@@ -242,14 +242,29 @@ def test_paper_world_charges_per_token_and_dense_outside_the_stream():
     assert sorted(tl.compute_s) == pytest.approx([comp, 3 * comp - 4e-6, 3 * comp - 2e-6])
 
 
-def test_broadcast_lag_is_the_windows_a_broadcast_needs_to_cross_its_link():
-    from testbed.sim.backend import broadcast_lags, control_seconds
-    B = 1.25e8  # 1 Gbit/s in bytes/s
-    delay = [[0.0, 0.005, 0.025], [0.045, 0.0, 0.0003], [0.0199, 0.02, 0.0]]
-    lags = broadcast_lags(control_seconds([[B] * 3] * 3, delay, 0.956, 64), 0.02)
-    # within a window: the tick before; 25 ms: two before; 45 ms: three; 19.9 ms and the
-    # 64-byte frame's 0.5 us stay inside one window, 20 ms and the frame's time do not
-    assert lags == [[0, 1, 2], [3, 0, 1], [1, 2, 0]]
+def test_a_control_frame_waits_behind_the_data_on_its_link_and_holds_up_none():
+    """``send_control``: a STATE or FEEDBACK frame crosses its link at the header's time
+    plus the delay, after the hidden states already queued there (the emulator's control
+    frames share their connection), without moving the link's next data message."""
+    setup, sim = _asym5("links")
+    m, n = 1, 0  # s1 -> s0: 0.8 Gbit/s, 20 ms
+    ctrl = sim.control_s[m][n]
+    assert ctrl == pytest.approx(setup.spec.sim.header_bytes
+                                 / (setup.cluster.bandwidth[m][n] * setup.spec.sim.payload_efficiency))
+    assert sim.send_control(m, n, 1.0) == pytest.approx(1.0 + ctrl + 0.020, abs=1e-12)
+    busy_to = sim.send(m, n, 2.0, count=4) - sim.delay[m][n]  # four states on the link
+    assert busy_to > 2.0
+    assert sim.send_control(m, n, 2.0) == pytest.approx(busy_to + ctrl + 0.020, abs=1e-12)
+    assert sim.link_free[m][n] == busy_to  # the frame held up no later message
+
+
+def _lags(sim, queued: list[list[float]] | None = None) -> list[list[int]]:
+    """``[n][m]``: windows old peer n's backlog is in m's view at a tick, for broadcasts
+    that leave at their ticks behind ``queued[n][m]`` seconds of data."""
+    N, w = sim.N, sim.window
+    q = queued or [[0.0] * N for _ in range(N)]
+    return [[0 if n == m else int((q[n][m] + sim.control_s[n][m] + sim.delay[n][m]) // w) + 1
+             for m in range(N)] for n in range(N)]
 
 
 def _asym5(control: str):
@@ -274,16 +289,42 @@ def test_views_over_links_show_each_peer_as_its_last_broadcast_arrived():
             sim.now = k * w
             sim._window(None)
         assert sim.snap_window == 4
+        lags = _lags(sim) if control == "links" else None
         for m in range(N):
             v = StateView(N)
             sim._refresh(v, m)
             if control == "instant":
                 assert list(v.backlog) == [40 + n for n in range(N)]
                 continue
-            want = [10 * (4 - sim.view_lag[n][m]) + n for n in range(N)]
+            want = [10 * (4 - lags[n][m]) + n for n in range(N)]
             assert list(v.backlog) == want and v.backlog[m] == 40 + m
-        if control == "links":  # no peer is seen as it is now
-            assert min(sim.view_lag[n][m] for n in range(N) for m in range(N) if n != m) >= 1
+        if control == "links":  # no peer is seen as it is now; 20 ms links lag two windows
+            assert min(lags[n][m] for n in range(N) for m in range(N) if n != m) >= 1
+            assert lags[1][0] == 2 and lags[0][1] == 1
+
+
+def test_a_broadcast_behind_data_on_its_link_reaches_a_later_tick():
+    """s3 -> s1 (0.8 Gbit/s, 19 ms) carries s3's broadcast inside one window when idle;
+    with 2 ms of hidden states queued at every tick it lands after s1's next tick, so s1
+    sees s3 two windows old, as the emulator's STATE behind its data frames would be."""
+    from hetroute.state import StateView
+    setup, sim = _asym5("links")
+    N, w = setup.cluster.n, sim.window
+    sim.pending_requests = 0
+    for n in range(N):
+        sim.sched[n].backlog = lambda t, n=n: 10 * round(t / w) + n
+    assert _lags(sim)[3][1] == 1
+    for k in range(1, 5):
+        sim.now = k * w
+        sim.link_free[3][1] = k * w + 0.002  # data queued on s3 -> s1 at the tick
+        sim._window(None)
+    v = StateView(N)
+    sim._refresh(v, 1)
+    queued = [[0.0] * N for _ in range(N)]
+    queued[3][1] = 0.002
+    lags = _lags(sim, queued)
+    assert lags[3][1] == 2
+    assert list(v.backlog) == [10 * (4 - lags[n][1]) + n for n in range(N)]
 
 
 def test_feedback_over_links_reaches_the_decider_a_link_later():
@@ -300,7 +341,7 @@ def test_feedback_over_links_reaches_the_decider_a_link_later():
             d.on_layer_done = spy
         sim.run()
         assert len(got) == sim.stats.token_layers > 0
-        moved = 0
+        moved = exact = 0
         for n, rec, now, window in got:
             done = rec.t_start + rec.total_s
             assert rec.server == n and rec.window == window
@@ -308,9 +349,11 @@ def test_feedback_over_links_reaches_the_decider_a_link_later():
                 assert now == pytest.approx(done, abs=1e-12)
                 continue
             moved += 1
-            lag = setup.cluster.delay[rec.next_server][n]
-            assert now == pytest.approx(done + lag, rel=1e-3)
+            bound = done + setup.cluster.delay[rec.next_server][n] + sim.control_s[rec.next_server][n]
+            assert now >= bound - 1e-12  # at the earliest a link's delay and the frame's time later
+            exact += now == pytest.approx(bound, abs=1e-12)  # else behind data on that link
         assert (moved > 0) == (control == "links")
+        assert exact >= moved / 2
 
 
 def test_a_record_with_its_window_equals_the_named_tuples_replace():

@@ -89,7 +89,7 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
-from .wire import (DEFAULT_MAX_PAYLOAD, MAX_HOLD_S, NONCE_BYTES, TENSOR_MESSAGES, Auth, Challenge,
+from .wire import (DEFAULT_MAX_PAYLOAD, MAX_HOLD_S, NONCE_BYTES, STAMPED_MESSAGES, TENSOR_MESSAGES, Auth, Challenge,
                    Frame, FrameDecoder, Pong, WireError, auth_mac, due_end_field, encode_header,
                    write_late_field)
 
@@ -335,7 +335,8 @@ class Transport:
                  max_payload: int = DEFAULT_MAX_PAYLOAD, check_source: bool = True,
                  hold_scale: float = 0.0, absorb_late: bool = True,
                  link_s_per_byte: dict[int, float] | None = None,
-                 kernel_stamps: bool = True, socket_buffer: int = 0) -> None:
+                 kernel_stamps: bool = True, socket_buffer: int = 0,
+                 control_bytes: int = 64) -> None:
         if len(secret) < 16:
             raise ValueError("the run secret must have at least 16 bytes")
         self.rank, self.port, self.peers = rank, port, peers
@@ -353,6 +354,9 @@ class Transport:
         #: kernel's autotuned ones); ``buffers`` what the kernel reports having set
         self.socket_buffer = socket_buffer
         self.buffers: dict[str, int] = {}
+        #: the bytes of a STATE or FEEDBACK frame on the model's link (``sim.header_bytes``,
+        #: the simulator's control frame) whatever its encoding takes on the real one
+        self.control_bytes = control_bytes
         #: per read of a proven peer's bytes, wall s from the kernel's receipt to the read
         #: (0 when unstamped): the loop's own wait, which a kernel stamp keeps off the link
         self.read_waits: list[float] = []
@@ -441,15 +445,18 @@ class Transport:
             head = encode_header(frame, self.max_payload)
         nbytes = len(head) + len(frame.payload) + frame.pad_len
         off = None
-        if due is not None and isinstance(frame.msg, TENSOR_MESSAGES):
+        model_bytes = nbytes
+        if due is not None and isinstance(frame.msg, STAMPED_MESSAGES):
             head = bytearray(head)
             off = (write_late_field(type(frame.msg)), due_end_field(type(frame.msg)))
+            if not isinstance(frame.msg, TENSOR_MESSAGES):  # control: behind the data only
+                modeled, model_bytes = False, self.control_bytes
         else:
             due = None
         if self._corked:
-            self._stamps.append((dst, nbytes, due, modeled, head, off))
+            self._stamps.append((dst, nbytes, due, modeled, head, off, model_bytes))
         else:
-            self._depart(time.monotonic(), dst, nbytes, due, modeled, head, off)
+            self._depart(time.monotonic(), dst, nbytes, due, modeled, head, off, model_bytes)
         parts = [head]
         if len(frame.payload):
             parts.append(frame.payload)
@@ -462,13 +469,16 @@ class Transport:
         return nbytes
 
     def _depart(self, now: float, dst: int, nbytes: int, due: float | None, modeled: bool,
-                head, off) -> None:
+                head, off, model_bytes: int | None = None) -> None:
         """A frame of ``nbytes`` written to ``dst`` at ``now``: its start on the real link
         (behind what was written before it, at the shaped rate) against its start on the
         model's (its due time, behind the modeled frames before it); the difference is
         stamped into a data frame's head as ``write_late_s``, and the model's end of sending
         it as ``due_end_s``. ``off``: the two fields' (offset, struct). Frames the simulator does not
-        send (``modeled=False``) and control frames take real link time only."""
+        send (``modeled=False``) take real link time only; a stamped control frame (STATE,
+        FEEDBACK: ``modeled=False`` and ``model_bytes``, the simulator's header) is stamped
+        behind the modeled frames before it without holding up later ones, as the
+        simulator's ``send_control``; an unstamped one (no ``due``) takes real time only."""
         spb = self.link_s_per_byte.get(dst)
         tx = nbytes * spb if spb else 0.0
         free = self._real_free.get(dst, 0.0)
@@ -478,6 +488,8 @@ class Transport:
         if due is None:
             return
         model = due
+        if model_bytes is not None and model_bytes != nbytes and spb:
+            tx = model_bytes * spb
         if spb:
             mfree = self._model_free.get(dst, 0.0)
             if mfree > model:
@@ -559,21 +571,25 @@ class Transport:
         on asym5's Prism at 80 req/s (T = 127) a one-token frame overtook the 16-frame group
         it queued behind on the simulator (7 us after it there, 10 us before it here), and
         server 2's first step took the wrong layer. Control frames keep their own delay, as
-        the simulator's control messages do (``net.control: links``)."""
+        the simulator's control messages do (``net.control: links``): a stamped one (STATE,
+        FEEDBACK sent with a due time) takes this line like a data frame, behind the data
+        frames sent ahead of it."""
         self.frames_in += 1
         self.received_frames[src] = self.received_frames.get(src, 0) + 1
         d = self.delays_in[src]
         if self.hold_scale:
             d += getattr(frame.msg, "hold_s", 0.0) * self.hold_scale
         loop = asyncio.get_running_loop()
-        if not isinstance(frame.msg, TENSOR_MESSAGES):
+        stamped = getattr(frame.msg, "due_end_s", 0.0) > 0.0
+        if not stamped and not isinstance(frame.msg, TENSOR_MESSAGES):
             if d <= 0:
                 self.on_frame(frame, arrival)
             else:
                 loop.call_at(arrival + d, self._due_one, frame, arrival + d)
             return
         # the line starts when the frame was due, as far as the delay covers its lateness
-        self.data_frames_in += 1
+        if isinstance(frame.msg, TENSOR_MESSAGES):
+            self.data_frames_in += 1
         late = frame.msg.write_late_s
         hidden = min(late, d) if self.absorb_late and d > 0 else 0.0
         self.late_absorbed += hidden

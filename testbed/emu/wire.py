@@ -45,11 +45,11 @@ from hetroute.state import Mode
 MAGIC = b"HRTW"
 #: a congestion-window wait longer than this is a sender's bug, not a window
 MAX_HOLD_S = 3600.0
-VERSION = 9  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
+VERSION = 10  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
 #: 5: HIDDEN, PARTIAL and TOKEN carry their congestion-window wait (``hold_s``); 6: HIDDEN
 #: carries the router's delay estimate (``est_delay_us``); 7: CUSTODY; 8: HIDDEN, PARTIAL
 #: and TOKEN carry how late their sender wrote them (``write_late_s``); 9: and when the
-#: model's link finished sending them (``due_end_s``)
+#: model's link finished sending them (``due_end_s``); 10: STATE and FEEDBACK carry both too
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
@@ -239,6 +239,10 @@ class State:
     backlog_s: float  # the sender's stream backlog, model seconds
     alive: tuple[bool, ...]  # per server
     received: tuple[int, ...] = ()  # per server, or ()
+    #: as a data frame's (``Hidden``): the broadcast is due at its tick's model instant and
+    #: crosses its link behind the data frames sent before it, as the simulator's does
+    write_late_s: float = 0.0
+    due_end_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +265,9 @@ class Feedback:
     nbytes: int  # hidden-state bytes the layer moved
     participants: int
     gpus: tuple[bool, ...]  # per assignment position: ran on a GPU-resident copy
+    #: as a data frame's (``Hidden``): due when the aggregator wrote the record
+    write_late_s: float = 0.0
+    due_end_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +341,10 @@ class Auth:
 Message = Union[Hidden, Partial, Token, State, Fail, Shutdown, Ping, Pong, Challenge, Auth,
                 Feedback, Custody]
 TENSOR_MESSAGES = (Hidden, Partial, Token)
+#: frames the transport stamps with ``write_late_s`` and ``due_end_s`` when sent with a due
+#: time: the data frames, and the control frames the simulator sends over the links
+#: (``net.control: links``), which queue behind the data on their link
+STAMPED_MESSAGES = (*TENSOR_MESSAGES, State, Feedback)
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,7 +462,8 @@ _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
               ("due_end_s", "d")),
     Token: (("src", "H"), *_REQ, ("home", "H"), ("lam_acc", "d"), ("final", "B"), ("dtype", "B"),
             ("hold_s", "d"), ("write_late_s", "d"), ("due_end_s", "d")),
-    State: (("src", "H"), ("window", "Q"), ("opened_at", "d"), ("t_send", "d"), ("backlog_s", "d")),
+    State: (("src", "H"), ("window", "Q"), ("opened_at", "d"), ("t_send", "d"), ("backlog_s", "d"),
+            ("write_late_s", "d"), ("due_end_s", "d")),
     Fail: (("src", "H"), ("home", "H"), ("request", "Q"), ("token", "I")),
     Custody: (("src", "H"), ("t_send", "d")),
     Shutdown: (("src", "H"),),
@@ -460,7 +472,8 @@ _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
     Challenge: (("src", "H"), ("nonce", f"{NONCE_BYTES}s")),
     Auth: (("src", "H"), ("mac", f"{MAC_BYTES}s")),
     Feedback: (("src", "H"), *_REQ, ("window", "Q"), ("fan_out_end", "d"), ("compute_end", "d"),
-               ("t_done", "d"), ("nbytes", "Q"), ("participants", "H")),
+               ("t_done", "d"), ("nbytes", "Q"), ("participants", "H"), ("write_late_s", "d"),
+               ("due_end_s", "d")),
 }
 _STRUCTS = {c: struct.Struct("<" + "".join(f for _, f in lay)) for c, lay in _SCALARS.items()}
 
@@ -665,7 +678,7 @@ def _field_structs(cls: type) -> dict[str, tuple[int, struct.Struct]]:
             for name, code in _SCALARS[cls]}
 
 
-_FIELD_AT = {cls: _field_structs(cls) for cls in TENSOR_MESSAGES}
+_FIELD_AT = {cls: _field_structs(cls) for cls in STAMPED_MESSAGES}
 
 
 def patched(frame: Frame, **fields) -> Frame:
@@ -688,13 +701,13 @@ def patched(frame: Frame, **fields) -> Frame:
 
 
 def write_late_field(cls: type) -> tuple[int, struct.Struct]:
-    """Where a tensor message's ``write_late_s`` lies in its encoded frame, and its struct:
+    """Where a stamped message's ``write_late_s`` lies in its encoded frame, and its struct:
     the transport stamps it into a prepared head at the write."""
     return _FIELD_AT[cls]["write_late_s"]
 
 
 def due_end_field(cls: type) -> tuple[int, struct.Struct]:
-    """Where a tensor message's ``due_end_s`` lies in its encoded frame, and its struct."""
+    """Where a stamped message's ``due_end_s`` lies in its encoded frame, and its struct."""
     return _FIELD_AT[cls]["due_end_s"]
 
 

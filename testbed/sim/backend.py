@@ -68,24 +68,13 @@ class SimStats:
     tcp_wait_s: float = 0.0  # summed over them
 
 
-def control_seconds(bandwidth, delay, efficiency: float, header_bytes: int) -> list[list[float]]:
-    """``[m][n]``: seconds a control frame (about a header's bytes: the emulator's STATE or
-    FEEDBACK) takes from m to n, its link's delay and its time at the rate
-    (``net.control: links``)."""
+def control_seconds(bandwidth, efficiency: float, header_bytes: int) -> list[list[float]]:
+    """``[m][n]``: seconds a control frame (a header's bytes: the emulator's STATE or
+    FEEDBACK) occupies link m -> n at its rate (``net.control: links``); it crosses the link
+    in its FIFO order with the hidden states (``SimBackend.send_control``)."""
     N = len(bandwidth)
-    return [[0.0 if m == n else delay[m][n] + header_bytes / (bandwidth[m][n] * efficiency)
+    return [[0.0 if m == n else header_bytes / (bandwidth[m][n] * efficiency)
              for n in range(N)] for m in range(N)]
-
-
-def broadcast_lags(control_s: list[list[float]], window_s: float) -> list[list[int]]:
-    """``[n][m]``: how many windows old peer n's backlog is in server m's view at m's tick.
-    Each server broadcasts its backlog at every tick; a tick's broadcast reaches m
-    ``control_s[n][m]`` later, so at m's next tick m holds n's broadcast of the tick
-    before, or of an earlier one where that is longer than a window: lag =
-    floor(time / window) + 1. A server's own entry is current (lag 0)."""
-    N = len(control_s)
-    return [[0 if n == m else int(control_s[n][m] // window_s) + 1 for m in range(N)]
-            for n in range(N)]
 
 
 def _on_execute(residency: Residency):
@@ -199,15 +188,15 @@ class SimBackend:
         self.views = [StateView(N) for _ in range(N)]
         self.snapshot = [0.0] * N
         self.snap_window = 0
-        #: ``net.control: links``: server m's view of peer n is n's snapshot from
-        #: ``view_lag[n][m]`` windows ago (``snap_hist[j]`` is the snapshot j windows ago),
-        #: and a record reaches its decider ``control_s[agg][decider]`` after it was written
-        self.control_s = (control_seconds(cl.bandwidth, cl.delay, eff, spec.sim.header_bytes)
+        self.snap_t = 0.0  # when the current window's tick ran
+        #: ``net.control: links``: each window's broadcast and each record's FEEDBACK cross
+        #: their link as a header-sized frame behind the hidden states queued on it
+        #: (``send_control``); ``heard[n][m]``: (arrival, backlog) of n's broadcasts on their
+        #: way to m, and ``held[m][n]``: n's backlog as m last heard it at a tick (0 before)
+        self.control_s = (control_seconds(cl.bandwidth, eff, spec.sim.header_bytes)
                           if spec.control_over_links else None)
-        self.view_lag = (broadcast_lags(self.control_s, spec.window_s)
-                         if self.control_s is not None else None)
-        lag_max = max(max(row) for row in self.view_lag) if self.view_lag else 0
-        self.snap_hist = deque([[0.0] * N for _ in range(lag_max + 1)], maxlen=lag_max + 1)
+        self.heard = [[deque() for _ in range(N)] for _ in range(N)]
+        self.held = [[0.0] * N for _ in range(N)]
         self.alive = [True] * N
         self.intact = True  # no fault yet: every message gets through (``reachable``'s fast path)
         self.link_up: list[list[bool]] | None = None  # None until a link is cut
@@ -253,6 +242,15 @@ class SimBackend:
             return end + self.delay[m][n]
         return end + self.delay[m][n] + self.jitter(self.jitter_rate)
 
+    def send_control(self, m: int, n: int, t: float) -> float:
+        """Arrival at n of a control frame m sends at t: it waits behind the hidden states
+        sent on the link before it, as the emulator's STATE and FEEDBACK frames share their
+        connection's shaped link with the data frames. It does not hold up later ones (its
+        tens of bytes are under a microsecond of any link here), so the data's timing and
+        its congestion window (``net.transport: tcp``) are those of the data alone."""
+        free = self.link_free[m][n]
+        return (free if free > t else t) + self.control_s[m][n] + self.delay[m][n]
+
     def true_backlog(self, n: int) -> float:
         return self.sched[n].backlog(self.now)
 
@@ -297,19 +295,29 @@ class SimBackend:
         for n in range(self.N):
             snap[n] = self.sched[n].backlog(t)
         self.snap_window += 1
-        if self.view_lag is not None:
-            self.snap_hist.appendleft(list(snap))
+        self.snap_t = t
+        if self.control_s is not None:  # each server's broadcast to every peer it reaches
+            for n in range(self.N):
+                b = snap[n]
+                for m in range(self.N):
+                    if m != n and (self.intact or self.reachable(n, m)):
+                        self.heard[n][m].append((self.send_control(n, m, t), b))
         if self.pending_requests > 0:
             self.at(t + self.window, self._window, None)
 
     def _refresh(self, v: StateView, m: int) -> None:
         """Server m's view at the current window: every server's backlog at the tick, or
-        with control over links each peer's as its last broadcast to m had arrived."""
+        with control over links each peer's in its last broadcast that had reached m by the
+        tick (its own current)."""
         lu = None if self.link_up is None else [list(row) for row in self.link_up]
         snap = self.snapshot
-        if self.view_lag is not None:
-            hist = self.snap_hist
-            snap = [hist[lag[m]][n] for n, lag in enumerate(self.view_lag)]
+        if self.control_s is not None:
+            tick, held = self.snap_t, self.held[m]
+            for n in range(self.N):
+                q = self.heard[n][m]
+                while q and q[0][0] <= tick:
+                    held[n] = q.popleft()[1]
+            snap = list(held)
             snap[m] = self.snapshot[m]
         v.refresh(self.snap_window, self.snap_window * self.window, snap, self.alive, lu)
 
@@ -658,7 +666,7 @@ class SimBackend:
         if self.control_s is None or a.next_server == dec:
             self.deciders[dec].on_layer_done(rec)
         else:  # the aggregator's FEEDBACK crosses the link to the decider
-            self.at(t + self.control_s[a.next_server][dec], self._feedback_in, (dec, rec))
+            self.at(self.send_control(a.next_server, dec, t), self._feedback_in, (dec, rec))
         tv.lam_acc += tok.routed.dq
         tv.server = a.next_server
         tv.layer += 1

@@ -142,7 +142,7 @@ class Aggregation:
         else:
             self._send(theta, Frame(Feedback(self.rank, h.request, h.token, h.layer, h.seq,
                                              rec.window, fo_end, comp_end, t, n_bytes,
-                                             len(g.partials), tuple(gpus))))
+                                             len(g.partials), tuple(gpus))), at=t)
         lam = float(h.lam_acc) + dq
         if not last:
             self._begin_layer(Token(src=self.rank, request=h.request, token=h.token,

@@ -1,7 +1,11 @@
 """Peers: the window broadcast, sending with acknowledgement, and liveness.
 
 Every window each worker sends its stream backlog to all reachable peers
-(STATE); views refresh from the latest snapshots at window boundaries. A cut
+(STATE), as of the tick's model instant and due then: the transport stamps it as
+a data frame and its link's delay line hands it on at the model's arrival, behind
+the data frames sent before it (the simulator's ``send_control``). At a tick a
+view holds each peer's last broadcast whose arrival is no later than the tick's
+instant, whatever order the loop ran the two in. A cut
 link drops frames without an error, so each STATE also carries how many frames
 its sender has received from each peer (a cumulative acknowledgement), and
 every frame a token depends on is kept with a resolver until the peer
@@ -43,6 +47,9 @@ class Peers:
     def _init_peers(self) -> None:
         n = self.N
         self.peer_backlog = [0.0] * n
+        #: per peer: (arrival, wall s; backlog) of broadcasts not yet taken into a view
+        self.heard: list[deque] = [deque() for _ in range(n)]
+        self._tick_wall = float("-inf")  # the instant (wall s) of the last tick run
         self.last_heard = [0.0] * n
         self.reachable = [True] * n
         self.max_gap = [0.0] * n  # longest silence heard from each peer (wall s)
@@ -79,13 +86,19 @@ class Peers:
         if self.stopping:
             return
         now_wall = time.monotonic()
-        backlog = self.stream.backlog()
+        t_tick = window * self.window
+        backlog = self.stream.sched.backlog(t_tick)  # as of the tick, however late it runs
         got = self.net.received_frames
-        frame = Frame(State(self.rank, window, window * self.window, self.now(), float(backlog),
+        frame = Frame(State(self.rank, window, t_tick, self.now(), float(backlog),
                             tuple(self.reachable), tuple(got.get(p, 0) for p in range(self.N))))
         for peer in range(self.N):
             if peer != self.rank and self.reachable[peer]:
-                self._send(peer, frame)
+                self._send(peer, frame, at=t_tick)
+        tick_wall = self.wall(t_tick)
+        self._tick_wall = tick_wall
+        for peer, q in enumerate(self.heard):
+            while q and q[0][0] <= tick_wall:
+                self.peer_backlog[peer] = q.popleft()[1]
         silent = SILENT_WINDOWS * self.window * self.T
         for peer in range(self.N):
             if peer != self.rank and self.reachable[peer] and now_wall - self.last_heard[peer] > silent:
@@ -219,7 +232,11 @@ class Peers:
             elif isinstance(m, Token):
                 self._on_token(frame, arrival)
             elif isinstance(m, State):
-                self.peer_backlog[m.src] = m.backlog_s
+                if arrival <= self._tick_wall:  # due by a tick the loop ran before it
+                    self.stats["state_after_tick"] = self.stats.get("state_after_tick", 0) + 1
+                    self.peer_backlog[m.src] = m.backlog_s
+                else:
+                    self.heard[m.src].append((arrival, m.backlog_s))
                 self.peer_alive[m.src] = m.alive
                 if m.received:
                     self._acked(m.src, m.received)
