@@ -197,8 +197,9 @@ class NetSpec(_Model):
         "links", description="what a server knows of the others. 'links': at its window "
         "tick its view of a peer's backlog is the peer's last window broadcast that crossed "
         "their link by then (one window old or more), and a layer's record reaches the "
-        "decider that routed it (HetRoute's feedback, eq. 21) a link's delay after the "
-        "aggregator wrote it, as the emulator's STATE and FEEDBACK frames do; 'instant': both "
+        "decider that routed it (HetRoute's feedback, eq. 21) when its frame has crossed the "
+        "link; both are header-sized frames that wait behind the hidden states queued on "
+        "their link, as the emulator's STATE and FEEDBACK frames do; 'instant': both "
         "at once (the paper's rule). Simulator, hardware physics only; the emulator's "
         "always cross the links")
 

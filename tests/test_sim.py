@@ -324,6 +324,9 @@ def test_a_broadcast_behind_data_on_its_link_reaches_a_later_tick():
     queued[3][1] = 0.002
     lags = _lags(sim, queued)
     assert lags[3][1] == 2
+    # every tick's broadcast to each of the 4 peers of 5 servers; only s3 -> s1 waited, 2 ms
+    assert sim.stats.control_frames == 4 * N * (N - 1) and sim.stats.control_waits == 4
+    assert sim.stats.control_wait_s == pytest.approx(0.008)
     assert list(v.backlog) == [10 * (4 - lags[n][1]) + n for n in range(N)]
 
 

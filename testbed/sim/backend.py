@@ -66,6 +66,9 @@ class SimStats:
     dq_misreport_first: tuple | None = None  # (request, token, layer, reported, derived)
     tcp_waits: int = 0  # messages that waited for their congestion window (net.transport: tcp)
     tcp_wait_s: float = 0.0  # summed over them
+    control_frames: int = 0  # STATE broadcasts and FEEDBACK sent over links (net.control: links)
+    control_waits: int = 0  # of them, those that waited behind hidden states on their link
+    control_wait_s: float = 0.0  # summed over them
 
 
 def control_seconds(bandwidth, efficiency: float, header_bytes: int) -> list[list[float]]:
@@ -249,7 +252,13 @@ class SimBackend:
         tens of bytes are under a microsecond of any link here), so the data's timing and
         its congestion window (``net.transport: tcp``) are those of the data alone."""
         free = self.link_free[m][n]
-        return (free if free > t else t) + self.control_s[m][n] + self.delay[m][n]
+        st = self.stats
+        st.control_frames += 1
+        if free > t:
+            st.control_waits += 1
+            st.control_wait_s += free - t
+            t = free
+        return t + self.control_s[m][n] + self.delay[m][n]
 
     def true_backlog(self, n: int) -> float:
         return self.sched[n].backlog(self.now)
