@@ -833,10 +833,10 @@ def test_a_control_frame_is_stamped_behind_the_data_and_holds_up_none():
     assert ends[2] == pytest.approx(t + 0.020, abs=1e-9)  # not held up by the STATE
     assert ends[3] == 0.0 and got[1].msg.backlog_s == 0.001
 
-    handed = []
+    handed, heard = [], []
     loop = precise_loop()
     net = Transport(1, 0, {}, [0.020, 0.0], lambda f, a: handed.append((type(f.msg), a)),
-                    lambda p, why: None, b"s" * 16)
+                    lambda p, why: None, b"s" * 16, on_heard=lambda src, a: heard.append((src, a)))
 
     async def go():
         now = time.monotonic()
@@ -852,6 +852,8 @@ def test_a_control_frame_is_stamped_behind_the_data_and_holds_up_none():
     assert kinds == ["State", "Hidden", "State"]
     assert at[0] == pytest.approx(0.020, abs=2e-3)  # the unstamped one: arrival + delay
     assert at[1] == pytest.approx(0.026, abs=2e-3) and at[2] == at[1]  # held behind the data
+    # the peer is heard as its bytes come (liveness), not when the line hands a frame on
+    assert heard == [(0, now)] * 3
 
 
 def test_a_tick_publishes_its_instants_backlog_and_sees_what_arrived_by_it():

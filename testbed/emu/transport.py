@@ -336,7 +336,8 @@ class Transport:
                  hold_scale: float = 0.0, absorb_late: bool = True,
                  link_s_per_byte: dict[int, float] | None = None,
                  kernel_stamps: bool = True, socket_buffer: int = 0,
-                 control_bytes: int = 64) -> None:
+                 control_bytes: int = 64,
+                 on_heard: Callable[[int, float], None] | None = None) -> None:
         if len(secret) < 16:
             raise ValueError("the run secret must have at least 16 bytes")
         self.rank, self.port, self.peers = rank, port, peers
@@ -368,6 +369,10 @@ class Transport:
         self._model_free: dict[int, float] = {}
         self._real_free: dict[int, float] = {}
         self.on_frame, self._on_peer_lost, self.log = on_frame, on_peer_lost, log
+        #: ``on_heard(src, arrival)`` for every frame as its bytes arrive, before the delay
+        #: line: a peer is heard when its bytes come, though a frame of it may then wait
+        #: behind its data (a STATE behind a message held for its congestion window)
+        self.on_heard = on_heard
         self.max_payload = max_payload
         self.out: dict[int, asyncio.Transport] = {}
         self.lost: set[int] = set()
@@ -576,6 +581,8 @@ class Transport:
         frames sent ahead of it."""
         self.frames_in += 1
         self.received_frames[src] = self.received_frames.get(src, 0) + 1
+        if self.on_heard is not None:
+            self.on_heard(src, arrival)
         d = self.delays_in[src]
         if self.hold_scale:
             d += getattr(frame.msg, "hold_s", 0.0) * self.hold_scale

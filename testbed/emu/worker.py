@@ -196,7 +196,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                              link_s_per_byte=self._link_s_per_byte(),
                              kernel_stamps=self.spec.emu.arrivals == "kernel",
                              socket_buffer=self.spec.emu.socket_buffer_bytes,
-                             control_bytes=self.spec.sim.header_bytes)
+                             control_bytes=self.spec.sim.header_bytes, on_heard=self._heard)
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up

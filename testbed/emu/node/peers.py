@@ -10,7 +10,10 @@ link drops frames without an error, so each STATE also carries how many frames
 its sender has received from each peer (a cumulative acknowledgement), and
 every frame a token depends on is kept with a resolver until the peer
 acknowledges it. A peer whose connection breaks, or that is silent for
-``SILENT_WINDOWS`` windows, is lost (``faults``).
+``SILENT_WINDOWS`` windows, is lost (``faults``): heard as its bytes arrive
+(``_heard``), not when the delay line hands a frame on, since a STATE may wait there
+behind data held for its congestion window, as it would behind that data on one TCP
+connection, while the data's own bytes keep coming.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Peers:
         self._tick_wall = float("-inf")  # the instant (wall s) of the last tick run
         self.last_heard = [0.0] * n
         self.reachable = [True] * n
-        self.max_gap = [0.0] * n  # longest silence heard from each peer (wall s)
+        self.max_gap = [0.0] * n  # longest silence heard from each peer (wall s, ``_heard``)
         #: per peer: (frame number, resolver) of sent frames it has not acknowledged yet
         self.unacked: dict[int, deque] = {p: deque() for p in range(n) if p != self.rank}
         #: (sender, group) -> frames of a dispatch group received so far, with their arrivals
@@ -205,15 +208,18 @@ class Peers:
             return tensor_frame(msg, t)
         return sized_frame(msg, t, self.wire_bytes)
 
+    def _heard(self, src: int, arrival: float) -> None:
+        """A peer's bytes came at ``arrival`` (the transport's ``on_heard``): it is alive."""
+        if 0 <= src < self.N and arrival > self.last_heard[src]:
+            gap = arrival - self.last_heard[src]
+            if gap > self.max_gap[src]:
+                self.max_gap[src] = gap
+            self.last_heard[src] = arrival
+
     def _on_frame(self, frame: Frame, arrival: float) -> None:
         if self.stopping:
             return
         m = frame.msg
-        if 0 <= m.src < self.N:
-            gap = arrival - self.last_heard[m.src]
-            if gap > self.max_gap[m.src]:
-                self.max_gap[m.src] = gap
-            self.last_heard[m.src] = arrival
         if isinstance(m, (Hidden, Partial)) and m.group_n > 1:
             self._on_grouped(frame, arrival)
         else:
