@@ -47,16 +47,19 @@ STEP_TCP = "ce39323dde50f3e0320e27f558a6a6fe150d6df8029141d11399aff927e534de"
 #: its decider at once (``net.control: instant``, the default until 2026-11-26); ``LINKS``
 #: is the step rule's with TCP's window and views and feedback that cross the links
 #: (``net.control: links``, the emulator's rule and now the default).
-LINKS = "afc5d3bfb94ffecda568411c2ed61f4d4c882a526b54c38251b5f76bf326a032"
+#: Since 2026-12-03 (commit 6f968a8) a view's broadcast and a record's FEEDBACK wait behind
+#: the hidden states queued on their link (``SimBackend.send_control``), as the emulator's
+#: do on their connection; ``LINKS``, ``FUSED`` and ``SEGMENTS`` were recorded again then.
+LINKS = "238d5ebe36db261117f772c4d0d5f0ff452c171a1136ea8ff7c19683bb0ce7bd"
 #: All of the above launch each replica's kernels (``engine.moe_kernels: per_expert``, the
 #: default until 2026-11-27); ``FUSED`` is ``LINKS`` with one set of launches per precision
 #: per step (``fused``, the default since): the step times and the published backlogs move.
-FUSED = "a306a05e48d15a7c73146c4e0aef8309ed0d4ce137dccd473aae912218c3304d"
+FUSED = "3d7a345586b5af2fbc3c4767f0ae24c7df9c231f24fa7eb871e673275ca94eae"
 #: All of the above keep TCP's window in flights (``net.tcp_model: bursts``, the default
 #: until 2026-11-27 evening); ``SEGMENTS`` is ``FUSED`` with the ACK clock segment by segment
 #: (``segments``, the default since): a message just after a burst finds its last flight
 #: still in flight, and slow start grows by the round's latch.
-SEGMENTS = "11f6dfbef5161751921432f9bfdf61dba41f8b763c3945e7a6b70328368f3ace"
+SEGMENTS = "03b14106891591f1800ad1558b53ec0220631a19f84f9b979e898dee811a7d0d"
 
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
         "engine": {"decision_s": 0, "dispatch": "token", "moe_kernels": "per_expert"},
