@@ -94,6 +94,10 @@ def find_capacity(spec: ExperimentSpec, router: str, results: Path = Path("resul
         raise SpecError(f"capacity: seeds must be 1-100, not {seeds}")
     if spec.backend != "sim":
         raise SpecError("capacity: searches on the simulator (backend: sim)")
+    w = spec.workload
+    if w.arrivals == "trace" and w.trace_rate == "recorded":
+        raise SpecError("capacity: workload.trace_rate: recorded replays the trace's own rate, "
+                        "which the search cannot vary; use trace_rate: spec")
     spec = spec.with_overrides({"router.name": router})
     root = (results / "capacity" / f"{spec.name}-{spec.physics}-sla{spec.sla_s * 1e3:g}ms"
             / router.replace(":", "_"))

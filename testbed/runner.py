@@ -128,6 +128,7 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
             spec.with_overrides({"engine.decision_s": setup.decision_s}).to_yaml())
         info["decision_s_calibrated"] = setup.decision_s
         info["decision_s_source"] = setup.notes.get("decision_s_source")
+    info["requests"] = setup.notes.get("requests")
     info["placement_s"] = round(setup.placement_s, 3)
     info["placement"] = setup.router.placement_report
     info["deployment"] = setup.deployment.summary(setup.shape)
@@ -148,7 +149,7 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
         frames = (tl, rq)
     w = spec.workload
     metrics = compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s, spec.quality.budget,
-                              decodes=w.gen_tokens > 0)
+                              decodes=_decodes(w))
     metrics.update(memory_use(setup.deployment, setup.shape, setup.problem.budget))
     if spec.quality.replay is True and out_dir is not None:
         info["quality_replay_s"] = _replay(out_dir, metrics)
@@ -160,6 +161,12 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
         write_json_atomic(out_dir / "metrics.json", metrics)
         write_json_atomic(out_dir / "run.json", info)
     return RunResult(spec, metrics, out_dir, info, setup if keep_setup else None, frames)
+
+
+def _decodes(w) -> bool | None:
+    """Whether the run's requests generate tokens: the spec says so for fixed lengths; with
+    a trace's lengths the records do (None: ``compute_metrics`` reads them)."""
+    return None if w.fixed_tokens() is None else w.gen_tokens > 0
 
 
 def refresh_metrics(out_dir: Path) -> tuple[dict, bool] | None:
@@ -176,7 +183,7 @@ def refresh_metrics(out_dir: Path) -> tuple[dict, bool] | None:
     w = spec.workload
     old = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").exists() else {}
     new = {**old, **compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s,
-                                    spec.quality.budget, decodes=w.gen_tokens > 0)}
+                                    spec.quality.budget, decodes=_decodes(w))}
     changed = json.dumps(new, sort_keys=True) != json.dumps(old, sort_keys=True)  # NaN != NaN
     if changed:
         write_json_atomic(out_dir / "metrics.json", new)

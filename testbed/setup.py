@@ -29,9 +29,11 @@ from hetroute.routers import Problem, Router, get_router
 from hetroute.system import Cluster, MoEShape, Precision
 from topologies import TopologyError, TopologySpec, generate, load_topology
 from workloads import (JsonlTrace, ModelSpec, Request, RequestShape, SyntheticTrace, TraceSource,
-                       Users, calibration_traffic, default_trace_params, generate_requests,
+                       Users, calibration_traffic, default_trace_params,
                        get_model)
+from workloads.arrivals import make_requests
 from workloads.quality_profile import ProfileError, load_profile
+from workloads.request_trace import RequestTrace, RequestTraceError, read_request_trace
 
 from . import decision_profile as dprofile
 from .core import DECISION_REPEATS, DECISION_SAMPLES, calibrate_decision_s
@@ -176,9 +178,10 @@ def resolve_inputs(spec: ExperimentSpec, quality_root: Path = QUALITY_ROOT) -> E
                                   and _replay_segment(spec) is None)
     elif spec.quality.replay is True and (seg := _replay_segment(spec)) is not None:
         w = spec.workload
+        got = (f"prompt_tokens + gen_tokens = {w.prompt_tokens + w.gen_tokens}"
+               if w.fixed_tokens() is not None else "lengths from a request trace")
         raise SpecError(f"quality.replay: at most {seg} tokens per request (a trace segment), got "
-                        f"prompt_tokens + gen_tokens = {w.prompt_tokens + w.gen_tokens}; set "
-                        "workload.gen_tokens: 0 or quality.replay: false")
+                        f"{got}; set workload.gen_tokens: 0 or quality.replay: false")
     if spec.quality.inrun:
         _check_inrun(spec, Path(over.get("workload.trace", spec.workload.trace)), hint)
     return spec.with_overrides(over) if over else spec
@@ -189,7 +192,8 @@ def _replay_segment(spec: ExperimentSpec) -> int | None:
     exceed: replay scores each request as one proxy-trace segment (decode requests are longer)."""
     from workloads.proxy.profile import SEGMENT  # lazy: workloads.proxy imports torch (~1 s)
 
-    return None if spec.workload.prompt_tokens + spec.workload.gen_tokens <= SEGMENT else SEGMENT
+    n = spec.workload.fixed_tokens()  # None: a trace's lengths, not bounded by one segment
+    return None if n is not None and n <= SEGMENT else SEGMENT
 
 
 def _is_proxy_trace(trace: Path) -> bool:
@@ -208,7 +212,10 @@ def _check_inrun(spec: ExperimentSpec, trace: Path, hint: str) -> None:
     if not _is_proxy_trace(trace):
         raise SpecError(f"quality.inrun: needs workload.trace 'proxy' (a proxy trace), got "
                         f"{str(trace)!r}; {hint}")
-    n = spec.workload.prompt_tokens + spec.workload.gen_tokens
+    n = spec.workload.fixed_tokens()
+    if n is None:
+        raise SpecError("quality.inrun: needs fixed request lengths (workload.lengths: fixed); "
+                        "a request trace's may exceed a proxy trace segment")
     if n > SEGMENT:
         raise SpecError(f"quality.inrun: at most {SEGMENT} tokens per request (a trace segment), "
                         f"got prompt_tokens + gen_tokens = {n}")
@@ -230,6 +237,7 @@ class CheckedSpec:
     model: ModelSpec
     router_cls: type[Router]
     warnings: tuple[str, ...]
+    request_trace: RequestTrace | None = None  # ``workload.requests_file``, read
 
 
 def check_spec(spec: ExperimentSpec, base_dir: Path | None = None) -> CheckedSpec:
@@ -289,8 +297,20 @@ def check_spec(spec: ExperimentSpec, base_dir: Path | None = None) -> CheckedSpe
     for key, value in (("quality.profile", spec.quality.profile), ("workload.trace", w.trace)):
         if value not in ("prior", "synthetic") and not _path(value, base_dir).is_file():
             raise SpecError(f"{key}: no such file {value!r}")
+    request_trace = None
+    if w.requests_file:
+        try:
+            request_trace = read_request_trace(_path(w.requests_file, base_dir))
+        except RequestTraceError as err:
+            raise SpecError(f"workload.requests_file: {err}") from None
+        if w.arrivals == "trace" and w.trace_start_s >= request_trace.span_s and request_trace.n > 1:
+            raise SpecError(f"workload.trace_start_s: {w.trace_start_s:g} s is past the trace's "
+                            f"last arrival ({request_trace.span_s:g} s)")
+        if w.arrivals == "trace" and w.trace_rate == "spec" and request_trace.mean_rate_per_s <= 0:
+            raise SpecError("workload.trace_rate: the trace has no rate to rescale (one request, "
+                            "or all at one instant); use trace_rate: recorded")
     _check_fit(model.shape(), cluster, spec)
-    return CheckedSpec(spec, topo, cluster, model, cls, tuple(topo.warnings()))
+    return CheckedSpec(spec, topo, cluster, model, cls, tuple(topo.warnings()), request_trace)
 
 
 def _check_fit(shape: MoEShape, cluster: Cluster, spec: ExperimentSpec) -> None:
@@ -349,8 +369,16 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
                   n_tasks=n_tasks, task_concentration=w.task_concentration,
                   task_mix=(tuple(tuple(r) for r in w.task_mix)
                             if w.task_mix is not None and n_tasks > 1 else None))
-    requests = generate_requests(w.rate_per_s, RequestShape(w.prompt_tokens, w.gen_tokens), users,
-                                 seed=spec.seed, duration_s=w.duration_s)
+    requests = make_requests(w.rate_per_s, RequestShape(w.prompt_tokens, w.gen_tokens), users,
+                             seed=spec.seed, duration_s=w.duration_s, arrivals=w.arrivals,
+                             cv=w.arrival_cv, gamma_count=w.gamma_count,
+                             trace=checked.request_trace,
+                             trace_rate=w.trace_rate, trace_start_s=w.trace_start_s,
+                             lengths=w.lengths, max_prompt_tokens=w.max_prompt_tokens,
+                             max_gen_tokens=w.max_gen_tokens)
+    if not requests:
+        raise SpecError(f"workload: no request arrives in the {w.duration_s:g} s of arrivals "
+                        f"({w.arrivals} arrivals); raise duration_s or rate_per_s")
     calib = calibration_traffic(trace, model, users.home_probs(), w.calibration_tokens,
                                 seed=spec.seed, tokens_per_request=w.prompt_tokens,
                                 task_probs=users.task_probs)
@@ -392,7 +420,7 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
         router.bind(deployment)
     except Exception as err:  # noqa: BLE001
         raise _router_failed(spec.router.name, "bind()", err) from None
-    notes: dict = {}
+    notes: dict = {"requests": requests_report(requests, checked.request_trace)}
     decision_s = spec.engine.decision_s
     fresh = cached is not None and not cached.exists()
     profiled = decision_profile_entry(spec, topo, cls, decision_profile) \
@@ -418,6 +446,26 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
                     router=router, deployment=deployment, placement_s=time.perf_counter() - t0,
                     notes=notes,
                     decision_s=float(decision_s) if isinstance(decision_s, (int, float)) else 0.0)
+
+
+def requests_report(requests: list[Request], trace: RequestTrace | None = None) -> dict:
+    """What the run's requests are (``run.json``): how many, at what rate, how bursty (the
+    coefficient of variation of the gaps; 1 for Poisson), their lengths, and the request
+    trace they came from, if any (``RequestTrace.report``)."""
+    t = np.array([r.arrival_s for r in requests])
+    gaps = np.diff(t)
+    prompt = np.array([r.prompt_tokens for r in requests])
+    gen = np.array([r.gen_tokens for r in requests])
+    out = {"requests": len(requests),
+           "interarrival_cv": round(float(gaps.std() / gaps.mean()), 3)
+           if gaps.size > 1 and gaps.mean() > 0 else None,
+           "prompt_tokens_mean": round(float(prompt.mean()), 2) if prompt.size else None,
+           "gen_tokens_mean": round(float(gen.mean()), 2) if gen.size else None,
+           "prompt_tokens_max": int(prompt.max()) if prompt.size else None,
+           "gen_tokens_max": int(gen.max()) if gen.size else None}
+    if trace is not None:
+        out["trace"] = trace.report()
+    return out
 
 
 def _cache_file(spec: ExperimentSpec, topo: TopologySpec, root: Path, cls: type[Router]) -> Path:
@@ -505,13 +553,21 @@ def router_sources(cls: type[Router]) -> list[Path]:
     return out
 
 
+#: sources under ``workloads/`` that no placement and no decision reads: they make the
+#: run's evaluation requests (arrivals, a request trace's lengths), while Algorithm 1, the
+#: planners and the decision timing see only the calibration traffic (``requests.py``)
+NOT_PLACEMENT = ("workloads/arrivals.py", "workloads/request_trace.py")
+
+
 def _code_version() -> str:
-    """Hash of the method's sources, so a code change invalidates cached placements."""
+    """Hash of the method's sources, so a code change invalidates cached placements (and
+    the decision profile's entries, keyed with it)."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
     for pkg in ("hetroute", "workloads"):
         for f in sorted((root / pkg).rglob("*.py")):
-            if "proxy" in f.relative_to(root).parts:  # the proxy model does not place
+            rel = f.relative_to(root)
+            if "proxy" in rel.parts or rel.as_posix() in NOT_PLACEMENT:  # they do not place
                 continue
             h.update(f.read_bytes())
     return h.hexdigest()[:16]

@@ -21,6 +21,13 @@ from workloads.requests import DEFAULT_GEN_TOKENS, DEFAULT_PROMPT_TOKENS
 #: Requests one run may generate (rate x duration); beyond it the request list alone
 #: takes gigabytes, so a typo such as duration_s: 1e12 stops here with one line.
 MAX_REQUESTS = 2_000_000
+#: workload fields left out of a resolved spec while at their default: at it they give the
+#: requests of every run made before they existed, so those runs' ``spec.resolved.yaml``
+#: still equal a spec that does not set them (``runner.is_done``: sweeps skip them)
+OMITTED_AT_DEFAULT = {"arrivals": "poisson", "arrival_cv": 1.0, "gamma_count": "window",
+                      "requests_file": None,
+                      "trace_rate": "spec", "trace_start_s": 0.0, "lengths": "fixed",
+                      "max_prompt_tokens": None, "max_gen_tokens": None}
 
 
 class SpecError(ValueError):
@@ -51,6 +58,34 @@ class WorkloadSpec(_Model):
     229,711 input and 203,068 generated tokens over 1000 requests, 1.13:1); the paper gives
     no lengths. Its figures are one forward pass per request (156 ms mean, 300 ms SLA at
     40 req/s), so every spec reproducing one pins ``gen_tokens: 0``."""
+    arrivals: Literal["poisson", "gamma", "trace"] = Field(
+        "poisson", description="arrival process: 'poisson' (the paper's), 'gamma' (Gamma gaps "
+        "of coefficient of variation arrival_cv, above 1 bursty; see gamma_count) or 'trace' "
+        "(requests_file's arrivals)")
+    arrival_cv: float = Field(1.0, gt=0, le=100, description="arrivals 'gamma': coefficient "
+                              "of variation of the gaps between arrivals (1: exponential)")
+    gamma_count: Literal["window", "renewal"] = Field(
+        "window", description="arrivals 'gamma': 'window' keeps the Poisson run's requests "
+        "(count, users, tasks) and spreads them over the window with Gamma gaps (burstiness "
+        "alone); 'renewal' draws the renewal process itself (Vidur's), whose request "
+        "count over a short window varies far more than Poisson's at high cv")
+    requests_file: str | None = Field(
+        None, description="a request trace (CSV with a header: Azure LLM inference "
+        "'TIMESTAMP,ContextTokens,GeneratedTokens', BurstGPT 'Timestamp,...,Request tokens,"
+        "Response tokens' or 'arrival_s,prompt_tokens,gen_tokens'), read for arrivals: trace "
+        "and/or lengths: trace")
+    trace_rate: Literal["spec", "recorded"] = Field(
+        "spec", description="arrivals 'trace': 'spec' scales every gap so the trace's mean "
+        "rate is rate_per_s (its bursts keep their shape); 'recorded' replays its timestamps")
+    trace_start_s: float = Field(0.0, ge=0, le=1e9, description="arrivals 'trace': seconds "
+                                 "into the recording where the run's arrivals begin")
+    lengths: Literal["fixed", "trace"] = Field(
+        "fixed", description="request lengths: 'fixed' (prompt_tokens, gen_tokens) or 'trace' "
+        "(each request a row of requests_file: the one it arrived as, else rows in order)")
+    max_prompt_tokens: int | None = Field(None, ge=1, le=131_072, description="lengths 'trace': "
+                                          "cap on a request's prompt tokens")
+    max_gen_tokens: int | None = Field(None, ge=0, le=131_072, description="lengths 'trace': "
+                                       "cap on a request's generated tokens")
     users: int = Field(100, ge=1, le=10_000_000)
     zipf_s: float = Field(1.0, ge=0, le=10, description="skew of users over home servers")
     trace: str = Field("synthetic", description="'synthetic', a JSON-lines trace file, 'proxy' (the "
@@ -94,6 +129,28 @@ class WorkloadSpec(_Model):
             spec = [DEFAULT_TASK_SPECIFICITY.get(name, 0.5) for name in self.tasks]
         return {"n_tasks": len(self.tasks),
                 "task_specificity": tuple(spec) if isinstance(spec, list) else float(spec)}
+
+    @model_validator(mode="after")
+    def _request_source(self) -> "WorkloadSpec":
+        """A field of one arrival process or length source set under another does nothing:
+        refused, so a spec never silently runs what it did not ask for."""
+        uses_file = self.arrivals == "trace" or self.lengths == "trace"
+        if uses_file and not self.requests_file:
+            raise ValueError("arrivals: trace and lengths: trace read requests_file; give one")
+        if self.requests_file and not uses_file:
+            raise ValueError("requests_file is read only with arrivals: trace or lengths: trace")
+        if self.arrivals != "gamma" and (self.arrival_cv != 1.0 or self.gamma_count != "window"):
+            raise ValueError("arrival_cv and gamma_count apply to arrivals: gamma only")
+        if self.arrivals != "trace" and (self.trace_rate != "spec" or self.trace_start_s):
+            raise ValueError("trace_rate and trace_start_s apply to arrivals: trace only")
+        if self.lengths != "trace" and (self.max_prompt_tokens is not None
+                                        or self.max_gen_tokens is not None):
+            raise ValueError("max_prompt_tokens and max_gen_tokens apply to lengths: trace only")
+        return self
+
+    def fixed_tokens(self) -> int | None:
+        """Tokens of every request (prompt + generated), or None where a trace sets them."""
+        return None if self.lengths == "trace" else self.prompt_tokens + self.gen_tokens
 
     @model_validator(mode="after")
     def _warmup_inside(self) -> "WorkloadSpec":
@@ -300,7 +357,12 @@ class ExperimentSpec(_Model):
         return parse_spec(data, "<overrides>")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        data = self.model_dump(mode="json")
+        w = data["workload"]
+        for key, default in OMITTED_AT_DEFAULT.items():
+            if w.get(key, default) == default:
+                w.pop(key, None)
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 def parse_spec(data: object, source: str = "<spec>") -> ExperimentSpec:

@@ -98,6 +98,25 @@ def test_small3_smoke_run_completes_with_fidelity_table(tmp_path: Path) -> None:
     assert res.info["stats"]["dilation"] >= 10 and res.info["stats"]["requests_unrecorded"] == 0
 
 
+def test_a_request_trace_drives_the_emulated_run_as_the_simulated_one(tmp_path: Path) -> None:
+    """A recorded request trace (arrivals as recorded, each request's own prompt and output
+    lengths) reaches every worker through the resolved spec: every request that arrives in
+    the window is served with its own tokens, as the simulator's set-up generates them."""
+    trace = tmp_path / "reqs.csv"
+    rows = ["arrival_s,prompt_tokens,gen_tokens"]
+    rows += [f"{0.07 * i:.2f},{1 + 3 * (i % 4)},{i % 3}" for i in range(12)]
+    trace.write_text("\n".join(rows) + "\n")
+    work = {**SPEC["workload"], "arrivals": "trace", "trace_rate": "recorded",
+            "lengths": "trace", "requests_file": str(trace)}
+    spec, res, tl, rq, n = _run(tmp_path, workload=work)
+    assert n == 12 and len(rq) == n and (rq.status == "ok").all(), rq.reason.tolist()
+    rq = rq.sort_values("request")
+    want = [1 + 3 * (i % 4) + i % 3 for i in range(12)]
+    assert list(rq.tokens) == want
+    assert len(tl) == sum(want) * 12  # every token-layer of every token, prompt and decode
+    assert res.info["requests"]["trace"]["format"] == "native"
+
+
 TIGHT3 = textwrap.dedent("""
     name: tight3
     description: small3's links; each server holds part of the model, so EdgeShard pipelines

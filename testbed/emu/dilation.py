@@ -34,7 +34,7 @@ INRUN_CPU_PER_TOKEN_LAYER_S = 0.4e-3
 INRUN_MIN_DILATION = 64.0
 
 
-def cpu_bound_dilation(rate_per_s: float, tokens_per_request: int, n_layers: int,
+def cpu_bound_dilation(rate_per_s: float, tokens_per_request: float, n_layers: int,
                        cpu_per_token_layer_s: float = CPU_PER_TOKEN_LAYER_S) -> int:
     """T at which the workers' CPU work per emulated second fits the cores at the target use."""
     tl_per_s = rate_per_s * tokens_per_request * n_layers
@@ -42,15 +42,19 @@ def cpu_bound_dilation(rate_per_s: float, tokens_per_request: int, n_layers: int
 
 
 def choose_dilation(setup) -> tuple[float, str]:
-    return dilation_for(setup.spec, setup.shape.n_layers)
+    reqs = setup.spec.workload.fixed_tokens() is None and getattr(setup, "requests", None)
+    tokens = sum(r.prompt_tokens + r.gen_tokens for r in reqs) / len(reqs) if reqs else None
+    return dilation_for(setup.spec, setup.shape.n_layers, tokens)
 
 
-def dilation_for(spec, n_layers: int) -> tuple[float, str]:
-    """T for ``spec`` (and why): the spec's own, else the CPU bound or the latency floor."""
+def dilation_for(spec, n_layers: int, tokens_per_request: float | None = None) -> tuple[float, str]:
+    """T for ``spec`` (and why): the spec's own, else the CPU bound or the latency floor.
+    ``tokens_per_request``: the run's mean where a request trace sets the lengths (default:
+    the spec's fixed prompt + generated tokens)."""
     if spec.emu.dilation != "auto":
         return float(spec.emu.dilation), "set in the spec"
     w = spec.workload
-    tokens = w.prompt_tokens + w.gen_tokens
+    tokens = w.prompt_tokens + w.gen_tokens if tokens_per_request is None else tokens_per_request
     inrun = bool(spec.quality.inrun)
     per_tl = CPU_PER_TOKEN_LAYER_S + (INRUN_CPU_PER_TOKEN_LAYER_S if inrun else 0.0)
     floor, floor_name = (INRUN_MIN_DILATION, "INRUN_MIN_DILATION") if inrun else \
