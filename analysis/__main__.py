@@ -111,6 +111,24 @@ def seed_scatter(sweep: Path = typer.Argument(..., help="an emulated sweep's fol
     typer.echo(format_scatter(points))
 
 
+@app.command("arrivals")
+def arrivals(spec: Path = typer.Option(..., help="a figure spec with one extra axis, e.g. "
+                                       "specs/fig9-bursty.yaml"),
+             results: Path = typer.Option(..., help="that sweep's results root"),
+             base_results: Path = typer.Option(Path("results"), help="the figure's own sweep's "
+                                               "results root (Poisson arrivals)"),
+             backend: str = typer.Option("sim"), scale: str = typer.Option("quick"),
+             physics: str = typer.Option("hardware")) -> None:
+    """A sweep under other arrivals beside the figure's own: per router and load, the
+    Poisson value and each value of the extra axis with its ratio (mean, P99, SLA share)."""
+    from .arrivals import arrivals_tables
+    try:
+        typer.echo(arrivals_tables(spec, results, base_results, backend, scale, physics))
+    except (ValueError, OSError) as err:
+        typer.echo(f"error: {str(err).splitlines()[0]}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command("agreement-table")
 def agreement_table(path: Path = typer.Argument(..., help="an agree-sweep's agreement.json, or "
                                                 "the folder that holds it")) -> None:
