@@ -493,7 +493,7 @@ def show_spec(spec: str | None = typer.Argument(None, help="spec to resolve (def
     except (SpecError, TopologyError) as err:
         _fail(str(err))
         return
-    typer.echo(s.to_yaml(), nl=False)
+    typer.echo(s.to_yaml(full=True), nl=False)
 
 
 @app.command("quality-replay")

@@ -356,11 +356,13 @@ class ExperimentSpec(_Model):
             node[parts[-1]] = value
         return parse_spec(data, "<overrides>")
 
-    def to_yaml(self) -> str:
+    def to_yaml(self, full: bool = False) -> str:
+        """The spec as YAML; ``full``: every field, ``OMITTED_AT_DEFAULT``'s too (``show-spec``;
+        a resolved spec leaves those out at their defaults)."""
         data = self.model_dump(mode="json")
         w = data["workload"]
         for key, default in OMITTED_AT_DEFAULT.items():
-            if w.get(key, default) == default:
+            if not full and w.get(key, default) == default:
                 w.pop(key, None)
         return yaml.safe_dump(data, sort_keys=False)
 

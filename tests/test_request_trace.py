@@ -254,6 +254,9 @@ def test_new_workload_fields_stay_out_of_a_resolved_spec_at_their_defaults():
     import yaml
     assert parse_spec(yaml.safe_load(bursty.to_yaml())) == bursty
     assert parse_spec(yaml.safe_load(text)) == plain
+    shown = CliRunner().invoke(app, ["show-spec"])  # show-spec prints every field
+    assert shown.exit_code == 0 and "arrivals: poisson" in shown.stdout
+    assert "gamma_count: window" in shown.stdout and "requests_file: null" in shown.stdout
 
 
 def test_a_bad_request_trace_is_one_line_before_anything_runs(tmp_path):
