@@ -78,6 +78,8 @@ def compute_metrics(tl: pd.DataFrame, rq: pd.DataFrame, warmup_s: float, duratio
     if tl.empty:
         return out
     m = tl[tl.request.isin(win.request)]
+    if m.empty:  # no request arrived in the window (a light or bursty load): nothing to average
+        return out
     tokens = int(win.tokens.sum())
     out["gb_per_1k_tokens"] = float(m["bytes"].sum() / max(tokens, 1) * 1000 / 1e9)
     servers = flat(m.exec_server)

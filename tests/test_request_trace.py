@@ -280,3 +280,17 @@ def test_a_capacity_search_refuses_a_trace_replayed_at_its_own_rate(tmp_path):
                                     "requests_file": str(trace)}})
     with pytest.raises(SpecError, match="trace_rate"):
         find_capacity(spec, "hetroute", results=tmp_path)
+
+
+def test_a_window_that_measures_no_request_still_gives_metrics(tmp_path):
+    """A burst that falls wholly in the warm-up (or a light bursty probe of a capacity
+    search) leaves the measured window empty: the run completes with no latency rather
+    than failing on an empty table (found by a cv-4 capacity search at 1 req/s)."""
+    trace = _write(tmp_path, "early.csv", "arrival_s,prompt_tokens,gen_tokens\n0,4,0\n0.05,4,0\n")
+    spec = parse_spec({"topology": "small3", "workload": {
+        "model": "switch", "arrivals": "trace", "trace_rate": "recorded",
+        "requests_file": str(trace), "duration_s": 1.0, "warmup_s": 0.5,
+        "calibration_tokens": 64}})
+    res = run_experiment(spec, tmp_path / "run", progress=False)
+    assert res.metrics["requests"] == 0 and np.isnan(res.metrics["mean_ms"])
+    assert res.info["status"] == "complete"
