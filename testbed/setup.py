@@ -33,7 +33,8 @@ from workloads import (JsonlTrace, ModelSpec, Request, RequestShape, SyntheticTr
                        get_model)
 from workloads.arrivals import make_requests
 from workloads.quality_profile import ProfileError, load_profile
-from workloads.request_trace import RequestTrace, RequestTraceError, read_request_trace
+from workloads.request_trace import (RequestTrace, RequestTraceError, gap_cv,
+                                     read_request_trace)
 
 from . import decision_profile as dprofile
 from .core import DECISION_REPEATS, DECISION_SAMPLES, calibrate_decision_s
@@ -376,9 +377,6 @@ def build_setup(spec: ExperimentSpec, base_dir: Path | None = None,
                              trace_rate=w.trace_rate, trace_start_s=w.trace_start_s,
                              lengths=w.lengths, max_prompt_tokens=w.max_prompt_tokens,
                              max_gen_tokens=w.max_gen_tokens)
-    if not requests:
-        raise SpecError(f"workload: no request arrives in the {w.duration_s:g} s of arrivals "
-                        f"({w.arrivals} arrivals); raise duration_s or rate_per_s")
     calib = calibration_traffic(trace, model, users.home_probs(), w.calibration_tokens,
                                 seed=spec.seed, tokens_per_request=w.prompt_tokens,
                                 task_probs=users.task_probs)
@@ -452,13 +450,10 @@ def requests_report(requests: list[Request], trace: RequestTrace | None = None) 
     """What the run's requests are (``run.json``): how many, at what rate, how bursty (the
     coefficient of variation of the gaps; 1 for Poisson), their lengths, and the request
     trace they came from, if any (``RequestTrace.report``)."""
-    t = np.array([r.arrival_s for r in requests])
-    gaps = np.diff(t)
     prompt = np.array([r.prompt_tokens for r in requests])
     gen = np.array([r.gen_tokens for r in requests])
     out = {"requests": len(requests),
-           "interarrival_cv": round(float(gaps.std() / gaps.mean()), 3)
-           if gaps.size > 1 and gaps.mean() > 0 else None,
+           "interarrival_cv": gap_cv([r.arrival_s for r in requests]),
            "prompt_tokens_mean": round(float(prompt.mean()), 2) if prompt.size else None,
            "gen_tokens_mean": round(float(gen.mean()), 2) if gen.size else None,
            "prompt_tokens_max": int(prompt.max()) if prompt.size else None,

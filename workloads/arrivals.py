@@ -38,6 +38,7 @@ calibration traffic), which is why the placement key's code hash leaves this mod
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -141,29 +142,22 @@ def make_requests(rate_per_s: float, shape: RequestShape, users: Users, seed: in
         raise ValueError("arrivals or lengths from a trace need a request trace")
     if gamma_count not in GAMMA_COUNTS:
         raise ValueError(f"gamma_count must be one of {GAMMA_COUNTS}")
-    base = None
-    window = arrivals == "gamma" and gamma_count == "window"
-    if arrivals == "poisson" or window:  # the Poisson run's requests, as every run drew them
-        base = generate_requests(rate_per_s, shape, users, seed, duration_s=duration_s,
+    rows = None  # the trace row each request arrived as (trace arrivals only)
+    if arrivals == "poisson" or (arrivals == "gamma" and gamma_count == "window"):
+        # the Poisson run's requests, drawn as every run drew them
+        reqs = generate_requests(rate_per_s, shape, users, seed, duration_s=duration_s,
                                  n_requests=n_requests)
-        times = np.array([r.arrival_s for r in base])
-        if window:  # the same requests, bursty times (a stream of their own)
+        if arrivals == "gamma":  # the same requests at bursty times (a stream of their own)
             if duration_s is None:
                 raise ValueError("gamma_count 'window' needs duration_s")
-            times = window_gamma_arrivals(len(base), duration_s, cv,
+            times = window_gamma_arrivals(len(reqs), duration_s, cv,
                                           np.random.default_rng([seed, _GAMMA_TAG]))
-            base = [Request(id=r.id, arrival_s=float(t), user=r.user, home=r.home,
-                            prompt_tokens=r.prompt_tokens, gen_tokens=r.gen_tokens, task=r.task)
-                    for r, t in zip(base, times)]
-        if lengths == "fixed":
-            return base
-        rows = None
+            reqs = [replace(r, arrival_s=float(t)) for r, t in zip(reqs, times)]
     else:
         rng = np.random.default_rng([seed, _ARRIVAL_TAG])
         if arrivals == "gamma":
             times = gamma_arrivals(rate_per_s, cv, rng, duration_s=duration_s,
                                    n_requests=n_requests)
-            rows = None
         else:
             times, rows = trace_arrivals(trace, rate_per_s, trace_rate, trace_start_s,
                                          duration_s=duration_s, n_requests=n_requests)
@@ -172,21 +166,18 @@ def make_requests(rate_per_s: float, shape: RequestShape, users: Users, seed: in
         who = rng.integers(0, users.n_users, size=len(times))
         homes = users.homes[who]
         tasks = draw_tasks(users.task_probs, homes, np.random.default_rng([seed, _TASK_DRAW_TAG]))
+        reqs = [Request(id=i, arrival_s=float(t), user=int(u), home=int(h),
+                        prompt_tokens=shape.prompt_tokens, gen_tokens=shape.gen_tokens,
+                        task=int(c))
+                for i, (t, u, h, c) in enumerate(zip(times, who, homes, tasks))]
     if lengths == "fixed":
-        prompt = np.full(len(times), shape.prompt_tokens, dtype=np.int64)
-        gen = np.full(len(times), shape.gen_tokens, dtype=np.int64)
-    else:
-        if rows is None:
-            rows = np.arange(len(times)) % trace.n
-        prompt, gen = trace.prompt_tokens[rows], trace.gen_tokens[rows]
-        if max_prompt_tokens is not None:
-            prompt = np.minimum(prompt, max_prompt_tokens)
-        if max_gen_tokens is not None:
-            gen = np.minimum(gen, max_gen_tokens)
-    if base is not None:  # Poisson arrivals, a trace's lengths: the same users and tasks
-        return [Request(id=r.id, arrival_s=r.arrival_s, user=r.user, home=r.home,
-                        prompt_tokens=int(p), gen_tokens=int(g), task=r.task)
-                for r, p, g in zip(base, prompt, gen)]
-    return [Request(id=i, arrival_s=float(t), user=int(u), home=int(h),
-                    prompt_tokens=int(p), gen_tokens=int(g), task=int(c))
-            for i, (t, u, h, c, p, g) in enumerate(zip(times, who, homes, tasks, prompt, gen))]
+        return reqs
+    if rows is None:
+        rows = np.arange(len(reqs)) % trace.n
+    prompt, gen = trace.prompt_tokens[rows], trace.gen_tokens[rows]
+    if max_prompt_tokens is not None:
+        prompt = np.minimum(prompt, max_prompt_tokens)
+    if max_gen_tokens is not None:
+        gen = np.minimum(gen, max_gen_tokens)
+    return [replace(r, prompt_tokens=int(p), gen_tokens=int(g))
+            for r, p, g in zip(reqs, prompt, gen)]

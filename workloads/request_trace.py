@@ -76,14 +76,22 @@ class RequestTrace:
         def q(a: np.ndarray) -> dict:
             return {"mean": round(float(a.mean()), 1), "p50": float(np.median(a)),
                     "p99": float(np.quantile(a, 0.99)), "max": int(a.max())}
-        gaps = np.diff(self.arrival_s)
-        cv = float(gaps.std() / gaps.mean()) if gaps.size > 1 and gaps.mean() > 0 else math.nan
+        cv = gap_cv(self.arrival_s)
         return {"file": self.path, "format": self.format, "requests": self.n,
                 "span_s": round(self.span_s, 3), "mean_rate_per_s": round(self.mean_rate_per_s, 3),
-                "interarrival_cv": round(cv, 3), "prompt_tokens": q(self.prompt_tokens),
+                "interarrival_cv": cv, "prompt_tokens": q(self.prompt_tokens),
                 "gen_tokens": q(self.gen_tokens), "skipped_lines": len(self.skipped_lines),
                 "skipped_first": list(self.skipped_lines[:MAX_LISTED]),
                 "dropped_no_prompt": self.dropped_empty, "sha256": self.sha256}
+
+
+def gap_cv(times) -> float | None:
+    """Coefficient of variation of the gaps between sorted arrival times (1 for a Poisson
+    process, above 1 bursty), to three decimals; None with fewer than two gaps."""
+    gaps = np.diff(np.asarray(times, dtype=np.float64))
+    if gaps.size < 2 or not gaps.mean() > 0:
+        return None
+    return round(float(gaps.std() / gaps.mean()), 3)
 
 
 def _norm(name: str) -> str:
