@@ -121,9 +121,30 @@ def arrivals(spec: Path = typer.Option(..., help="a figure spec with one extra a
              physics: str = typer.Option("hardware")) -> None:
     """A sweep under other arrivals beside the figure's own: per router and load, the
     Poisson value and each value of the extra axis with its ratio (mean, P99, SLA share)."""
-    from .arrivals import arrivals_tables
+    from .beside import arrivals_tables
     try:
         typer.echo(arrivals_tables(spec, results, base_results, backend, scale, physics))
+    except (ValueError, OSError) as err:
+        typer.echo(f"error: {str(err).splitlines()[0]}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command("beside")
+def beside(spec: Path = typer.Option(..., help="a figure spec with one extra axis, e.g. "
+                                     "specs/fig9-overlap.yaml"),
+           results: Path = typer.Option(..., help="that sweep's results root"),
+           base_results: Path = typer.Option(Path("results"), help="the figure's own sweep's "
+                                             "results root"),
+           backend: str = typer.Option("sim"), scale: str = typer.Option("quick"),
+           physics: str = typer.Option("hardware"),
+           seed_ratios: bool = typer.Option(True, help="each ratio's range over the seeds "
+                                            "(seed s against the figure's seed s)")) -> None:
+    """A sweep that varies one setting beside the figure's own: per router and load, the
+    figure's value and each value of the extra axis with its ratio (mean, P99, SLA share)."""
+    from .beside import beside_tables
+    try:
+        typer.echo(beside_tables(spec, results, base_results, backend, scale, physics,
+                                 by_seed=seed_ratios))
     except (ValueError, OSError) as err:
         typer.echo(f"error: {str(err).splitlines()[0]}", err=True)
         raise typer.Exit(2) from None

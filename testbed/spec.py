@@ -28,6 +28,8 @@ OMITTED_AT_DEFAULT = {"arrivals": "poisson", "arrival_cv": 1.0, "gamma_count": "
                       "requests_file": None,
                       "trace_rate": "spec", "trace_start_s": 0.0, "lengths": "fixed",
                       "max_prompt_tokens": None, "max_gen_tokens": None}
+#: the same for other sections' fields: section -> field -> default
+OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial"}}
 
 
 class SpecError(ValueError):
@@ -300,6 +302,13 @@ class EngineSpec(_Model):
         "then leave together, one message per destination, and a step's partials to one "
         "aggregator travel as one; 'token': each token leaves when its own decision is done, "
         "one message per token and hop. Hardware physics only (the paper's world is per token)")
+    #: ``serial`` is the rule of every figure; ``copy_engine`` is what an engine that overlaps
+    #: host-to-device copies with computation pays (README, "Loads beside kernels").
+    load_overlap: Literal["serial", "copy_engine"] = Field(
+        "serial", description="where a CPU-resident replica's load v/beta runs: 'serial' (in "
+        "the step, before its kernel, holding the stream) or 'copy_engine' (on the server's "
+        "copy engine, FIFO with prefetches, while the stream runs the step's other work; a "
+        "loaded replica's kernel waits for its copy). Hardware physics only")
 
 
 class FaultSpec(_Model):
@@ -329,6 +338,13 @@ class ExperimentSpec(_Model):
     net: NetSpec = NetSpec()
     emu: EmuSpec = EmuSpec()
     faults: list[FaultSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _overlap_needs_steps(self) -> "ExperimentSpec":
+        if self.engine.load_overlap != "serial" and self.physics != "hardware":
+            raise ValueError("engine.load_overlap: 'copy_engine' needs physics: hardware (the "
+                             "paper's world runs one replica per step: nothing to overlap)")
+        return self
 
     @property
     def tcp_windows(self) -> bool:
@@ -364,6 +380,10 @@ class ExperimentSpec(_Model):
         for key, default in OMITTED_AT_DEFAULT.items():
             if not full and w.get(key, default) == default:
                 w.pop(key, None)
+        for section, fields in OMITTED_ELSEWHERE.items():
+            for key, default in fields.items():
+                if not full and data[section].get(key, default) == default:
+                    data[section].pop(key, None)
         return yaml.safe_dump(data, sort_keys=False)
 
 

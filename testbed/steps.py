@@ -29,6 +29,25 @@ for comparison) a step is one replica's queued jobs, ``load + n w/F``, and the
 dense part is a delay outside the stream, as in the testbed before the
 hardware model.
 
+A CPU-resident replica's load (v / beta) is charged in the step by
+``engine.load_overlap``: ``serial`` (the default; every figure's rule) puts it
+in the stream, before the replica's kernel and holding up the rest of the
+step; ``copy_engine`` puts it on the server's copy engine (``CopyEngine``: a
+GPU's DMA engines run host-to-device copies beside its kernels, as
+MoE-Infinity and Pre-gated MoE overlap expert loads with computation). The
+step then runs its dense part and GPU-resident experts while the loads
+stream in, and each loaded replica's kernel starts when both its copy and
+the stream's previous work are done::
+
+    t = dense + resident experts;  for each loaded replica i (in the order the
+    copies were queued):  t = max(t, copy_i done) + expert_i;  step time = t
+
+(less the launches ``fused`` shares, as in the serial rule). The copies
+queue FIFO behind the server's prefetches on the same engine, and a replica
+whose prefetch is still in flight waits for that copy instead of paying a
+new one. The queued-work estimate a server publishes still adds loads in
+full: an upper bound of the overlapped step.
+
 ``hold_s`` (default 0) lets a step wait up to that long after its oldest job
 arrived for more work to batch, as engines with a batching window do.
 Times are model seconds; the emulator multiplies them by its dilation.
@@ -67,6 +86,87 @@ class Job:
         self.seq = 0
 
 
+class Copy:
+    """One host-to-device copy on a ``CopyEngine``: a prefetch, or a step's on-demand load
+    (``demand``). ``moved``: a later on-demand load pushed it back since the backend
+    scheduled its landing (the backend then waits until ``end``); ``cancelled``: a step
+    needed the replica before the copy had started, so the step's own load took its place
+    (nothing lands)."""
+
+    __slots__ = ("replica", "start", "end", "demand", "moved", "cancelled")
+
+    def __init__(self, replica: int, start: float, end: float, demand: bool = False) -> None:
+        self.replica, self.start, self.end, self.demand = replica, start, end, demand
+        self.moved = self.cancelled = False
+
+
+class CopyEngine:
+    """A server's host-to-device copy engine: one queue of copies over its PCIe link, one
+    at a time, in model seconds. Prefetches (a router's ``Assignment.prefetch``) queue on it
+    FIFO under either load rule. Under ``load_overlap: copy_engine`` a step's on-demand
+    loads use it too: behind the copy in progress (a DMA transfer is not preempted) and the
+    on-demand loads queued before them, ahead of the prefetches that have not started
+    (MoE-Infinity re-prioritises its copy queue for the experts a batch waits on), which
+    move back by the load's time."""
+
+    __slots__ = ("free", "queue", "inflight")
+
+    def __init__(self) -> None:
+        self.free = 0.0  # when the last queued copy ends
+        self.queue: list[Copy] = []  # copies not yet done, in the order they run
+        self.inflight: dict[int, Copy] = {}  # replica -> its latest prefetch not yet done
+
+    def _drop_done(self, now: float) -> None:
+        q = self.queue
+        i = 0
+        while i < len(q) and q[i].end <= now:
+            if self.inflight.get(q[i].replica) is q[i]:
+                del self.inflight[q[i].replica]
+            i += 1
+        if i:
+            del q[:i]
+
+    def prefetch(self, replica: int, now: float, load_s: float) -> Copy:
+        """Queue a prefetch of ``replica`` behind every copy queued; it lands at ``.end``."""
+        self._drop_done(now)
+        start = self.free if self.free > now else now
+        self.free = end = start + load_s
+        c = Copy(replica, start, end)
+        self.queue.append(c)
+        self.inflight[replica] = c
+        return c
+
+    def load(self, replica: int, now: float, load_s: float) -> tuple[float, float]:
+        """A stream needs ``replica`` on the GPU from ``now``: (begin, end) of the copy that
+        puts it there. A prefetch of it already under way is waited for; otherwise its copy
+        runs after the copy in progress and the on-demand copies queued, before the queued
+        prefetches (a queued prefetch of it is cancelled). ``begin == now``: the engine was
+        free, and the copy takes ``load_s`` from now."""
+        self._drop_done(now)
+        mine = self.inflight.get(replica)
+        if mine is not None and mine.start <= now:
+            return mine.start, mine.end
+        q = self.queue
+        i = 0  # the first queued prefetch: the copies before it run first
+        while i < len(q) and (q[i].demand or q[i].start <= now):
+            i += 1
+        begin = q[i - 1].end if i else now
+        t = end = begin + load_s
+        for c in q[i:]:
+            if c is mine:
+                c.cancelled = True
+                del self.inflight[replica]
+                continue
+            if c.start != t:
+                c.start, c.end, c.moved = t, t + (c.end - c.start), True
+            t = c.end
+        if mine is not None:
+            q.remove(mine)
+        q.insert(i, Copy(replica, begin, end, demand=True))
+        self.free = t
+        return begin, end
+
+
 @dataclass
 class Step:
     jobs: list[Job]
@@ -88,11 +188,18 @@ class StepScheduler:
                  resident: Callable[[int], bool], scope: str = "layer",
                  max_batch_tokens: int = 2048, hold_s: float = 0.0,
                  on_execute: Callable[[int, bool], None] | None = None,
-                 moe_kernels: str = "fused") -> None:
+                 moe_kernels: str = "fused", load_overlap: str = "serial") -> None:
         if scope not in ("layer", "replica"):
             raise ValueError("scope must be 'layer' or 'replica'")
         if moe_kernels not in ("per_expert", "fused"):
             raise ValueError("moe_kernels must be 'per_expert' or 'fused'")
+        if load_overlap not in ("serial", "copy_engine"):
+            raise ValueError("load_overlap must be 'serial' or 'copy_engine'")
+        if load_overlap == "copy_engine" and scope != "layer":
+            raise ValueError("load_overlap 'copy_engine' needs the layer scope (hardware physics)")
+        #: copy_engine: a step's loads run on ``copy`` beside its kernels (``_cost_overlap``)
+        self.overlap = load_overlap == "copy_engine"
+        self.copy = CopyEngine()
         #: fused: a step's experts of one precision launch once (a grouped GEMM), so each
         #: further active replica of that precision costs its kernel time without launches
         self.fused = moe_kernels == "fused"
@@ -282,7 +389,7 @@ class StepScheduler:
                 self._head[key] = min((j.prio, j.seq) for j in rest)
             else:
                 del self._head[key]
-        dur, nrep, loads, experts = self._cost(taken)
+        dur, nrep, loads, experts = self._cost(taken, now)
         if self.scope == "layer":
             pend, layer = self._pending[key], key
             for j in taken:
@@ -304,7 +411,7 @@ class StepScheduler:
         positions and cost estimate go at once, with the same arithmetic as a partial
         take followed by ``_update_layer``."""
         del self.queue[key]
-        dur, nrep, loads, experts = self._cost(jobs)
+        dur, nrep, loads, experts = self._cost(jobs, now)
         if self.scope == "layer":
             del self._head[key]
             self._pending.pop(key, None)
@@ -328,11 +435,13 @@ class StepScheduler:
         self.jobs_run += len(jobs)
         return Step(jobs, now, dur, jobs[0].layer, nrep, n_tokens, loads, experts)
 
-    def _cost(self, jobs: list[Job]) -> tuple[float, int, int, int]:
-        """Stream seconds, active replicas, loads and expert jobs of a step; marks each job
-        with the tier its replica ran from."""
+    def _cost(self, jobs: list[Job], now: float = 0.0) -> tuple[float, int, int, int]:
+        """Stream seconds, active replicas, loads and expert jobs of a step starting at
+        ``now``; marks each job with the tier its replica ran from."""
         if self.scope == "replica" and jobs[0].replica != DENSE:
             return self._cost_one(jobs)
+        if self.overlap:
+            return self._cost_overlap(jobs, now)
         svc, n = self.svc, self.n
         counts: dict[int, int] = {}  # replicas in order of first appearance
         for j in jobs:
@@ -346,8 +455,13 @@ class StepScheduler:
             gpu = tier[r] = resident(r)
             if on_execute is not None:
                 on_execute(r, not gpu)  # dynamic caches insert and evict here
-            if not gpu:
-                dur += svc.load_s(n, p)
+            if not gpu:  # the stream waits for the copy, on the engine the prefetches use
+                load = svc.load_s(n, p)
+                begin, end = self.copy.load(r, now + dur, load)
+                if begin == now + dur:
+                    dur += load  # the engine was free: the copy starts as the stream reaches it
+                else:  # behind a copy in progress (or the rest of this replica's prefetch)
+                    dur = end - now
                 loads += 1
             dur += svc.expert_s(n, p, c)
         if self.fused and len(tier) > 1:  # one set of launches per precision, not per replica
@@ -364,6 +478,45 @@ class StepScheduler:
         if DENSE in counts:  # a request's KV cache is read once per step
             dur += svc.dense_s(n, counts[DENSE], attn, sum(per_request.values()))
         return dur, len(tier), loads, len(jobs) - counts.get(DENSE, 0)
+
+    def _cost_overlap(self, jobs: list[Job], now: float) -> tuple[float, int, int, int]:
+        """``_cost`` under ``load_overlap: copy_engine``: the loads run on the copy engine
+        while the stream runs the dense part and the GPU-resident experts; each loaded
+        replica's kernel then waits for its copy (module docstring)."""
+        svc, n = self.svc, self.n
+        counts: dict[int, int] = {}
+        for j in jobs:
+            counts[j.replica] = counts.get(j.replica, 0) + 1
+        stream, tier, waits = 0.0, {}, []  # waits: (copy done, kernel) of loaded replicas
+        precision_of, resident, on_execute, copy = (self.precision_of, self.resident,
+                                                    self.on_execute, self.copy)
+        for r, c in counts.items():
+            if r == DENSE:
+                continue
+            p = precision_of(r)
+            gpu = tier[r] = resident(r)
+            if on_execute is not None:
+                on_execute(r, not gpu)
+            if gpu:
+                stream += svc.expert_s(n, p, c)
+            else:
+                waits.append((copy.load(r, now, svc.load_s(n, p))[1] - now, svc.expert_s(n, p, c)))
+        attn = 0
+        per_request: dict[int, int] = {}
+        for j in jobs:
+            if j.replica == DENSE:
+                attn += j.position + 1
+                if j.position + 1 > per_request.get(j.request, 0):
+                    per_request[j.request] = j.position + 1
+            else:
+                j.gpu = tier[j.replica]
+        if DENSE in counts:
+            stream += svc.dense_s(n, counts[DENSE], attn, sum(per_request.values()))
+        for ready, kernel in sorted(waits):
+            stream = (stream if stream > ready else ready) + kernel
+        if self.fused and len(tier) > 1:
+            stream -= self._shared_launches(len(tier), len({precision_of(r) for r in tier}))
+        return stream, len(tier), len(waits), len(jobs) - counts.get(DENSE, 0)
 
     def _cost_one(self, jobs: list[Job]) -> tuple[float, int, int, int]:
         """``_cost`` of a step of one replica's jobs (the replica scope: the paper's world
@@ -431,13 +584,16 @@ def rebuild_jobs(layer: int, rep_tokens, dense_request, dense_position) -> list[
 
 
 def charge(service: ServiceModel, server: int, layer: int, rep_precision, rep_tokens, rep_gpu,
-           dense_request, dense_position, moe_kernels: str = "fused") -> float:
+           dense_request, dense_position, moe_kernels: str = "fused",
+           load_overlap: str = "serial") -> float:
     """Model seconds of a traced step on ``service``'s server ``server``, by the step rule
-    itself (a fresh scheduler takes exactly the traced jobs as one step)."""
+    itself (a fresh scheduler, its copy engine idle, takes exactly the traced jobs as one
+    step)."""
     prec = [Precision(int(p)) for p in rep_precision]
     res = [bool(g) for g in rep_gpu]
     sc = StepScheduler(service, server, prec.__getitem__, res.__getitem__,
-                       max_batch_tokens=1 << 30, moe_kernels=moe_kernels)
+                       max_batch_tokens=1 << 30, moe_kernels=moe_kernels,
+                       load_overlap=load_overlap)
     for j in rebuild_jobs(layer, rep_tokens, dense_request, dense_position):
         sc.submit(j)
     return sc.take(0.0).duration

@@ -73,6 +73,8 @@ SPECS = [
     ("engine: {decision_s: 5}\n", "engine.decision_s"),
     ("engine: {decision_s: sometimes}\n", "engine.decision_s"),
     ("engine: {hold_s: -1}\n", "engine.hold_s"),
+    ("engine: {load_overlap: async}\n", "engine.load_overlap"),
+    ("physics: paper\nengine: {load_overlap: copy_engine}\n", "engine.load_overlap"),
     ("sim: {payload_efficiency: 0}\n", "sim.payload_efficiency"),
     ("emu: {dilation: -4}\n", "emu.dilation"),
     ("emu: {dilation: 0}\n", "emu.dilation"),

@@ -117,6 +117,35 @@ def test_a_request_trace_drives_the_emulated_run_as_the_simulated_one(tmp_path: 
     assert res.info["requests"]["trace"]["format"] == "native"
 
 
+def test_expert_loads_overlap_the_step_on_the_emulator_as_in_the_simulator(tmp_path: Path) -> None:
+    """``engine.load_overlap: copy_engine`` on the emulator: MoE-Infinity with a GPU cache too
+    small for Switch's experts loads replicas on demand and prefetches others; each worker
+    pads to the overlapped step (a step without a load costs what the serial rule charges,
+    one with loads less) and lands its prefetches through the shared copy engine."""
+    import numpy as np
+    from hetroute.service import HardwareService
+    from testbed.records import read_steps
+    from testbed.runner import run_experiment
+    from testbed.spec import parse_spec
+    from testbed.steps import charge
+    spec = parse_spec({**SPEC, "router": {"name": "moe-infinity"}, "memory": {"gpu_share": 0.05},
+                       "engine": {"load_overlap": "copy_engine"}})
+    res = run_experiment(spec, tmp_path / "run", progress=False, trace_steps=True, keep_setup=True)
+    from testbed.records import read_records
+    tl, rq = read_records(tmp_path / "run")
+    assert len(rq) and (rq.status == "ok").all(), rq[rq.status != "ok"].reason.tolist()
+    assert res.metrics["cpu_offload_ratio"] > 0  # replicas ran from the CPU tier
+    steps = read_steps(tmp_path / "run")
+    svc = HardwareService(res.setup.cluster, res.setup.shape)
+    serial = np.array([charge(svc, r.server, r.layer, r.rep_precision, r.rep_tokens, r.rep_gpu,
+                              r.dense_request, r.dense_position) for r in steps.itertuples()])
+    loads = steps.rep_gpu.map(lambda g: int((~np.asarray(g, bool)).sum())).to_numpy()
+    model = steps.model_s.to_numpy()
+    assert (loads > 0).sum() >= 3
+    np.testing.assert_allclose(model[loads == 0], serial[loads == 0], rtol=1e-12)
+    assert np.median(model[loads > 0] / serial[loads > 0]) < 0.9
+
+
 TIGHT3 = textwrap.dedent("""
     name: tight3
     description: small3's links; each server holds part of the model, so EdgeShard pipelines

@@ -246,13 +246,135 @@ def test_published_backlog_is_the_queued_steps_cost_under_either_launch_rule(kin
         for r in (tok % 3, 3, 4) if tok % 2 else (tok % 3, DENSE):
             sc.submit(Job(0, r, tok, tok, tok, float(tok) * 1e-6, prio=float(tok)))
         sc.submit(Job(1, (tok + 1) % 5, tok, tok, 0, 0.0, prio=10.0 + tok))
-    whole = 0
+    whole, t = 0, 1.0
     while sc.queue:
         before, queued = sc.queued_s, len(sc.queue[sc._next_key()])
-        step = sc.take(1.0)
+        step = sc.take(t)  # each step when the one before has ended, as a backend runs them
+        t += step.duration
         sc.finish()
         if len(step.jobs) == queued:  # a whole layer: its estimate was exactly this step
             whole += 1
             assert sc.queued_s == pytest.approx(before - step.duration, abs=1e-12), step.layer
     assert sc.steps == 4 and whole == 2  # the cap split each layer once
     assert sc.queued_s == 0.0
+
+
+def _overlap_step(load_overlap, resident=lambda r: r != 1, before=None, now=0.0):
+    """Layer 0: replica 0 (GPU) for two tokens, replica 1 (CPU-resident) for one, a third
+    token's dense part; ``before`` queues copies on the engine first."""
+    svc, cl = _hw_service()
+    sc = StepScheduler(svc, 0, lambda r: Precision.FP16, resident, scope="layer",
+                       load_overlap=load_overlap)
+    if before:
+        before(sc)
+    for tok in range(2):
+        sc.submit(Job(0, 0, tok, tok, 0, now))
+    sc.submit(Job(0, 1, 0, 0, 0, now))
+    sc.submit(Job(0, DENSE, 2, 2, 3, now))
+    return sc.take(now), svc, MIXTRAL.expert_bytes[Precision.FP16] / (cl.pcie[0] * 0.8)
+
+
+def test_a_load_on_the_copy_engine_overlaps_the_steps_other_work():
+    """``load_overlap: copy_engine``: the stream runs the dense part and the GPU-resident
+    expert while replica 1 is copied, then replica 1's kernel; ``serial`` adds the load."""
+    fp16 = Precision.FP16
+    serial, svc, load = _overlap_step("serial")
+    overlap, _, _ = _overlap_step("copy_engine")
+    k0, k1 = svc.expert_s(0, fp16, 2), svc.expert_s(0, fp16, 1)
+    dense, shared = svc.dense_s(0, 1, 4, 4), svc.expert_launch_s(0)
+    assert serial.duration == pytest.approx(load + k0 + k1 + dense - shared, rel=1e-12)
+    assert load > k0 + dense  # a 352 MB expert over PCIe outlasts the rest of the step
+    assert overlap.duration == pytest.approx(load + k1 - shared, rel=1e-12)
+    assert serial.duration - overlap.duration == pytest.approx(k0 + dense, rel=1e-9)
+    assert overlap.loads == serial.loads == 1
+    assert [j.gpu for j in overlap.jobs if j.replica != DENSE] == [True, True, False]
+    # no CPU-resident replica: the two rules are the same step, to the bit
+    a, _, _ = _overlap_step("serial", resident=lambda r: True)
+    b, _, _ = _overlap_step("copy_engine", resident=lambda r: True)
+    assert a.duration == b.duration
+
+
+def test_a_steps_load_waits_for_a_prefetch_in_flight_or_queues_behind_others():
+    fp16 = Precision.FP16
+    # replica 1's own prefetch is half way at the step's start: the step waits for its rest
+    inflight, svc, load = _overlap_step(
+        "copy_engine", before=lambda sc: sc.copy.prefetch(1, 0.0, load_of(sc)), now=0.5 * LOAD)
+    k1, shared = svc.expert_s(0, fp16, 1), svc.expert_launch_s(0)
+    assert load == pytest.approx(LOAD)
+    assert inflight.duration == pytest.approx(0.5 * load + k1 - shared, rel=1e-9)
+    # another replica's prefetch holds the engine: replica 1's copy queues behind it (FIFO)
+    behind, _, _ = _overlap_step("copy_engine", before=lambda sc: sc.copy.prefetch(7, 0.0, load_of(sc)))
+    assert behind.duration == pytest.approx(2 * load + k1 - shared, rel=1e-9)
+    # prefetches queued behind the copy in progress: the step's load goes first (on demand)
+    # and they move back by its time
+    queued = {}
+
+    def two(sc, replicas=(5, 6)):
+        queued.update({r: sc.copy.prefetch(r, 0.0, load_of(sc)) for r in replicas})
+    ahead, _, _ = _overlap_step("copy_engine", before=two, now=0.5 * LOAD)
+    assert ahead.duration == pytest.approx(1.5 * load + k1 - shared, rel=1e-9)
+    assert not queued[5].moved and queued[5].end == pytest.approx(load)  # in progress: runs on
+    assert queued[6].moved and queued[6].end == pytest.approx(3 * load)  # behind the load
+    # replica 1's own prefetch, queued and not started, gives way to the step's load
+    queued.clear()
+    mine, _, _ = _overlap_step("copy_engine", before=lambda sc: two(sc, (5, 1, 6)), now=0.5 * LOAD)
+    assert mine.duration == pytest.approx(1.5 * load + k1 - shared, rel=1e-9)
+    assert queued[1].cancelled and not queued[6].cancelled
+    assert not queued[6].moved and queued[6].end == pytest.approx(3 * load)  # 1's slot, freed
+    # the serial rule shares the engine too: the stream, reaching replica 1 after replica 0's
+    # kernel, waits for the rest of its prefetch, or behind another replica's copy, then
+    # runs the rest of the step (no second link for the prefetches)
+    dense = svc.dense_s(0, 1, 4, 4)
+    k0 = svc.expert_s(0, fp16, 2)
+    serial, _, _ = _overlap_step("serial", before=lambda sc: sc.copy.prefetch(1, 0.0, load_of(sc)),
+                                 now=0.5 * LOAD)
+    assert serial.duration == pytest.approx(0.5 * load + k1 + dense - shared, rel=1e-9)
+    queued.clear()
+    serial, _, _ = _overlap_step("serial", before=two, now=0.5 * LOAD)
+    assert serial.duration == pytest.approx(1.5 * load + k1 + dense - shared, rel=1e-9)
+    assert queued[6].moved and queued[6].end == pytest.approx(3 * load)
+    idle, _, _ = _overlap_step("serial")
+    assert idle.duration == pytest.approx(load + k0 + k1 + dense - shared, rel=1e-12)
+
+
+def load_of(sc):
+    return sc.svc.load_s(0, Precision.FP16)
+
+
+LOAD = MIXTRAL.expert_bytes[Precision.FP16] / (load_topology("small3").to_cluster().pcie[0] * 0.8)
+
+
+def test_load_overlap_is_refused_where_steps_hold_one_replica_and_left_out_at_default():
+    from testbed.spec import SpecError, parse_spec
+    svc, _ = _hw_service()
+    with pytest.raises(ValueError, match="load_overlap"):
+        StepScheduler(svc, 0, lambda r: Precision.FP16, lambda r: True, scope="replica",
+                      load_overlap="copy_engine")
+    with pytest.raises(ValueError, match="load_overlap"):
+        StepScheduler(svc, 0, lambda r: Precision.FP16, lambda r: True, load_overlap="async")
+    with pytest.raises(SpecError, match="engine.load_overlap.*physics: hardware"):
+        parse_spec({"physics": "paper", "engine": {"load_overlap": "copy_engine"}})
+    assert "load_overlap" not in parse_spec({}).to_yaml()  # earlier runs' resolved specs hold
+    assert "load_overlap" in parse_spec({}).to_yaml(full=True)
+    assert "load_overlap: copy_engine" in parse_spec(
+        {"engine": {"load_overlap": "copy_engine"}}).to_yaml()
+
+
+def test_a_steps_loads_run_one_after_another_on_the_copy_engine():
+    """Two CPU-resident replicas in one step: their copies share the one link (the second
+    starts when the first ends), the first kernel runs while the second is copied."""
+    svc, cl = _hw_service()
+    fp16 = Precision.FP16
+    sc = StepScheduler(svc, 0, lambda r: fp16, lambda r: False, scope="layer",
+                       load_overlap="copy_engine")
+    pf = sc.copy.prefetch(9, 0.0, LOAD)  # a prefetch in progress at the step's start ...
+    later = sc.copy.prefetch(8, 0.0, LOAD)  # ... and one queued behind it
+    for r in (1, 2):
+        sc.submit(Job(0, r, r, r, 0, 0.1 * LOAD))
+    step = sc.take(0.1 * LOAD)
+    k, shared = svc.expert_s(0, fp16, 1), svc.expert_launch_s(0)
+    # copies: 9 until L, then 1 until 2L, 2 until 3L (ahead of 8); kernels: 1 hides under 2's copy
+    assert step.duration == pytest.approx(3 * LOAD + k - shared - 0.1 * LOAD, rel=1e-9)
+    assert step.loads == 2 and not pf.moved and later.moved
+    assert later.start == pytest.approx(3 * LOAD) and later.end == pytest.approx(4 * LOAD)
+    assert sc.copy.free == pytest.approx(4 * LOAD)

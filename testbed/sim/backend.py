@@ -44,7 +44,7 @@ from ..collector import quiet_collector
 from ..core import Routed, TokenLayerCore, with_window
 from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
-from ..steps import DENSE, Job, StepScheduler, step_row
+from ..steps import DENSE, Copy, Job, StepScheduler, step_row
 from ..tcp import windows as tcp_windows
 
 if TYPE_CHECKING:
@@ -170,14 +170,13 @@ class SimBackend:
                                     scope="layer" if self.hardware else "replica",
                                     max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
                                     on_execute=_on_execute(self.residency[n]),
-                                    moe_kernels=eng.moe_kernels)
+                                    moe_kernels=eng.moe_kernels, load_overlap=eng.load_overlap)
                       for n in range(N)]
         #: ``run --trace-steps``: each step's composition to the writer's step table
         self.trace = writer.step if writer.st is not None else None
         self.wake_at = [-1.0] * N  # a pending hold wake-up per stream
         self.kick_pending = [False] * N  # a step start queued at the current instant
         self.dense_delay = [core.world.dense_s(n, 1) for n in range(N)]  # paper physics only
-        self.copy_free = [0.0] * N  # per-server PCIe copy engine for prefetches
         self.cpu_free = [0.0] * N  # per-server CPU that makes decisions
         self.measured_decisions = eng.decision_s == "measured"
         self.decision_s = float(getattr(setup, "decision_s", 0.0))
@@ -523,16 +522,24 @@ class SimBackend:
         tok.bytes = nbytes
 
     def _prefetch(self, replicas: tuple[int, ...]) -> None:
-        """Copy replicas to their server's GPU on a FIFO copy engine (v / beta each)."""
+        """Copy replicas to their server's GPU on its FIFO copy engine (v / beta each; the
+        step scheduler's, which a step's loads share under ``load_overlap: copy_engine``)."""
         w = self.core.world
         for r in replicas:
             n = self.rep_server[r]
-            start = max(self.now, self.copy_free[n])
-            self.copy_free[n] = end = start + w.load_s(n, self.s.deployment.replicas[r].precision)
-            self.at(end, self._prefetched, r)
+            c = self.sched[n].copy.prefetch(r, self.now,
+                                            w.load_s(n, self.s.deployment.replicas[r].precision))
+            self.at(c.end, self._prefetched, c)
 
-    def _prefetched(self, r: int) -> None:
-        self.residency[self.rep_server[r]].on_prefetched(r)
+    def _prefetched(self, c: Copy) -> None:
+        """A prefetch lands, unless a step's load took its place or pushed it back since."""
+        if c.cancelled:
+            return
+        if c.moved:
+            c.moved = False
+            self.at(c.end, self._prefetched, c)
+            return
+        self.residency[self.rep_server[c.replica]].on_prefetched(c.replica)
 
     def _jobs_arrive(self, arg) -> None:
         n, jobs = arg

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...steps import DENSE, Job
+from ...steps import DENSE, Copy, Job
 from ..stream import Work
 from ..wire import DType, Frame, Hidden, Partial, Ran, patched
 
@@ -35,11 +35,10 @@ class Participation:
 
 
 class Compute:
-    """Owns ``parts`` (open participations) and the copy engine's ``_copy_free``."""
+    """Owns ``parts`` (open participations)."""
 
     def _init_compute(self) -> None:
         self.parts: dict[tuple, Participation] = {}
-        self._copy_free = 0.0  # wall time this server's copy engine is free of prefetches
         #: ``engine.dispatch: step``: what the step being released hands on, sent together
         #: by ``_flush_step`` (dense parts to decide; partials per aggregator)
         self._cohort: list[tuple] = []
@@ -160,16 +159,27 @@ class Compute:
             self._relayer(p.key, h, p.hidden, why)  # re-route the layer from here
 
     def _prefetch(self, replicas) -> None:
-        """Copies into this server's GPU on its copy engine (local replicas only)."""
-        t = time.monotonic()
-        free = self._copy_free
+        """Copies into this server's GPU on its copy engine (local replicas only): the step
+        scheduler's, in model time, which a step's loads share under ``load_overlap:
+        copy_engine``; the copy lands at its model end x T."""
+        t = self.now()
+        copy = self.stream.sched.copy
         for r in replicas:
             if self.dep.replicas[r].server != self.rank:
                 continue
-            start = max(t, free)
-            free = start + self._load_of(r) * self.T
-            self.loop.call_at(free, self.residency.on_prefetched, r)
-        self._copy_free = free
+            c = copy.prefetch(r, t, self._load_of(r))
+            self.loop.call_at(self.wall(c.end), self._prefetched, c)
+
+    def _prefetched(self, c: Copy) -> None:
+        """A prefetch lands, unless a step's load took its place or pushed it back since
+        (``testbed.steps.CopyEngine``; as the simulator's ``_prefetched``)."""
+        if c.cancelled:
+            return
+        if c.moved:
+            c.moved = False
+            self.loop.call_at(self.wall(c.end), self._prefetched, c)
+            return
+        self.residency.on_prefetched(c.replica)
 
     def _load_of(self, r: int) -> float:
         rep = self.dep.replicas[r]
