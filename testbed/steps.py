@@ -88,33 +88,34 @@ class Job:
 
 class Copy:
     """One host-to-device copy on a ``CopyEngine``: a prefetch, or a step's on-demand load
-    (``demand``). ``moved``: a later on-demand load pushed it back since the backend
-    scheduled its landing (the backend then waits until ``end``); ``cancelled``: a step
-    needed the replica before the copy had started, so the step's own load took its place
-    (nothing lands)."""
+    (``demand``). ``version`` counts the times a step's load moved it (a prefetch pushed
+    back behind the load, or brought forward as the load itself): a backend schedules a
+    prefetch's landing for ``(copy, version)`` and ignores a landing whose version is stale."""
 
-    __slots__ = ("replica", "start", "end", "demand", "moved", "cancelled")
+    __slots__ = ("replica", "start", "end", "demand", "version")
 
     def __init__(self, replica: int, start: float, end: float, demand: bool = False) -> None:
         self.replica, self.start, self.end, self.demand = replica, start, end, demand
-        self.moved = self.cancelled = False
+        self.version = 0
 
 
 class CopyEngine:
     """A server's host-to-device copy engine: one queue of copies over its PCIe link, one
     at a time, in model seconds. Prefetches (a router's ``Assignment.prefetch``) queue on it
-    FIFO under either load rule. Under ``load_overlap: copy_engine`` a step's on-demand
-    loads use it too: behind the copy in progress (a DMA transfer is not preempted) and the
-    on-demand loads queued before them, ahead of the prefetches that have not started
-    (MoE-Infinity re-prioritises its copy queue for the experts a batch waits on), which
-    move back by the load's time."""
+    FIFO under either load rule. A step's on-demand loads use it too: behind the copy in
+    progress (a DMA transfer is not preempted) and the on-demand loads queued before them,
+    ahead of the prefetches that have not started (MoE-Infinity re-prioritises its copy
+    queue for the experts a batch waits on), which move back by the load's time; a queued
+    prefetch of the replica itself becomes the load. ``notify(copy)`` (set by the backend)
+    hears of every prefetch whose landing moved, to schedule it again."""
 
-    __slots__ = ("free", "queue", "inflight")
+    __slots__ = ("free", "queue", "inflight", "notify")
 
-    def __init__(self) -> None:
+    def __init__(self, notify=None) -> None:
         self.free = 0.0  # when the last queued copy ends
         self.queue: list[Copy] = []  # copies not yet done, in the order they run
         self.inflight: dict[int, Copy] = {}  # replica -> its latest prefetch not yet done
+        self.notify = notify
 
     def _drop_done(self, now: float) -> None:
         q = self.queue
@@ -140,8 +141,8 @@ class CopyEngine:
         """A stream needs ``replica`` on the GPU from ``now``: (begin, end) of the copy that
         puts it there. A prefetch of it already under way is waited for; otherwise its copy
         runs after the copy in progress and the on-demand copies queued, before the queued
-        prefetches (a queued prefetch of it is cancelled). ``begin == now``: the engine was
-        free, and the copy takes ``load_s`` from now."""
+        prefetches (a queued prefetch of it is that copy, brought forward). ``begin ==
+        now``: the engine was free, and the copy takes ``load_s`` from now."""
         self._drop_done(now)
         mine = self.inflight.get(replica)
         if mine is not None and mine.start <= now:
@@ -152,19 +153,25 @@ class CopyEngine:
             i += 1
         begin = q[i - 1].end if i else now
         t = end = begin + load_s
-        for c in q[i:]:
-            if c is mine:
-                c.cancelled = True
-                del self.inflight[replica]
-                continue
-            if c.start != t:
-                c.start, c.end, c.moved = t, t + (c.end - c.start), True
-            t = c.end
-        if mine is not None:
+        if mine is not None:  # its prefetch, queued: it runs now, as the load
             q.remove(mine)
-        q.insert(i, Copy(replica, begin, end, demand=True))
+            mine.start, mine.end, mine.demand = begin, end, True
+            self._moved(mine)
+            q.insert(i, mine)
+        else:
+            q.insert(i, Copy(replica, begin, end, demand=True))
+        for c in q[i + 1:]:
+            if c.start != t:
+                c.start, c.end = t, t + (c.end - c.start)
+                self._moved(c)
+            t = c.end
         self.free = t
         return begin, end
+
+    def _moved(self, c: Copy) -> None:
+        c.version += 1
+        if self.notify is not None:
+            self.notify(c)
 
 
 @dataclass

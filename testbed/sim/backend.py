@@ -172,6 +172,8 @@ class SimBackend:
                                     on_execute=_on_execute(self.residency[n]),
                                     moe_kernels=eng.moe_kernels, load_overlap=eng.load_overlap)
                       for n in range(N)]
+        for sc in self.sched:  # a prefetch a step's load moved lands when it now ends
+            sc.copy.notify = self._landing
         #: ``run --trace-steps``: each step's composition to the writer's step table
         self.trace = writer.step if writer.st is not None else None
         self.wake_at = [-1.0] * N  # a pending hold wake-up per stream
@@ -529,17 +531,16 @@ class SimBackend:
             n = self.rep_server[r]
             c = self.sched[n].copy.prefetch(r, self.now,
                                             w.load_s(n, self.s.deployment.replicas[r].precision))
-            self.at(c.end, self._prefetched, c)
+            self._landing(c)
 
-    def _prefetched(self, c: Copy) -> None:
-        """A prefetch lands, unless a step's load took its place or pushed it back since."""
-        if c.cancelled:
-            return
-        if c.moved:
-            c.moved = False
-            self.at(c.end, self._prefetched, c)
-            return
-        self.residency[self.rep_server[c.replica]].on_prefetched(c.replica)
+    def _landing(self, c: Copy) -> None:
+        """Schedule a prefetch's landing (again, when a step's load moved it)."""
+        self.at(c.end, self._prefetched, (c, c.version))
+
+    def _prefetched(self, arg: tuple[Copy, int]) -> None:
+        c, version = arg
+        if version == c.version:  # not moved since this landing was scheduled
+            self.residency[self.rep_server[c.replica]].on_prefetched(c.replica)
 
     def _jobs_arrive(self, arg) -> None:
         n, jobs = arg

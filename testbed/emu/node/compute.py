@@ -167,19 +167,16 @@ class Compute:
         for r in replicas:
             if self.dep.replicas[r].server != self.rank:
                 continue
-            c = copy.prefetch(r, t, self._load_of(r))
-            self.loop.call_at(self.wall(c.end), self._prefetched, c)
+            self._landing(copy.prefetch(r, t, self._load_of(r)))
 
-    def _prefetched(self, c: Copy) -> None:
-        """A prefetch lands, unless a step's load took its place or pushed it back since
-        (``testbed.steps.CopyEngine``; as the simulator's ``_prefetched``)."""
-        if c.cancelled:
-            return
-        if c.moved:
-            c.moved = False
-            self.loop.call_at(self.wall(c.end), self._prefetched, c)
-            return
-        self.residency.on_prefetched(c.replica)
+    def _landing(self, c: Copy) -> None:
+        """Schedule a prefetch's landing at its model end x T (again, when a step's load
+        moved it: ``testbed.steps.CopyEngine``, as the simulator's ``_landing``)."""
+        self.loop.call_at(self.wall(c.end), self._prefetched, c, c.version)
+
+    def _prefetched(self, c: Copy, version: int) -> None:
+        if version == c.version:  # not moved since this landing was scheduled
+            self.residency.on_prefetched(c.replica)
 
     def _load_of(self, r: int) -> float:
         rep = self.dep.replicas[r]
