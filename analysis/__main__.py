@@ -121,12 +121,7 @@ def arrivals(spec: Path = typer.Option(..., help="a figure spec with one extra a
              physics: str = typer.Option("hardware")) -> None:
     """A sweep under other arrivals beside the figure's own: per router and load, the
     Poisson value and each value of the extra axis with its ratio (mean, P99, SLA share)."""
-    from .beside import arrivals_tables
-    try:
-        typer.echo(arrivals_tables(spec, results, base_results, backend, scale, physics))
-    except (ValueError, OSError) as err:
-        typer.echo(f"error: {str(err).splitlines()[0]}", err=True)
-        raise typer.Exit(2) from None
+    _beside(spec, results, base_results, backend, scale, physics, "Poisson", False)
 
 
 @app.command("beside")
@@ -141,10 +136,15 @@ def beside(spec: Path = typer.Option(..., help="a figure spec with one extra axi
                                             "(seed s against the figure's seed s)")) -> None:
     """A sweep that varies one setting beside the figure's own: per router and load, the
     figure's value and each value of the extra axis with its ratio (mean, P99, SLA share)."""
+    _beside(spec, results, base_results, backend, scale, physics, "figure's", seed_ratios)
+
+
+def _beside(spec: Path, results: Path, base_results: Path, backend: str, scale: str,
+            physics: str, base_label: str, by_seed: bool) -> None:
     from .beside import beside_tables
     try:
         typer.echo(beside_tables(spec, results, base_results, backend, scale, physics,
-                                 by_seed=seed_ratios))
+                                 base_label, by_seed))
     except (ValueError, OSError) as err:
         typer.echo(f"error: {str(err).splitlines()[0]}", err=True)
         raise typer.Exit(2) from None

@@ -8,8 +8,8 @@ over its seeds and prints one Markdown row per router and load: the figure's val
 each value of the extra axis with its ratio to it and, with ``--seed-ratios``, the range of
 the seeds' own ratios (seed s against seed s: the same requests, placement and decision
 constant, so the range says whether the change moved every seed the same way).
-``python -m analysis arrivals`` is the same with the base labelled Poisson. Reads results
-only.
+``python -m analysis arrivals`` is the same with the base labelled Poisson and no seed
+ratios. Reads results only.
 """
 
 from __future__ import annotations
@@ -111,9 +111,3 @@ def beside_tables(spec_file: Path, results: Path, base_results: Path, backend: s
         out.append(f"{name}, mean over seeds:\n\n" + compare_table(
             base, other, extra[0], metric, base_label=base_label, by_seed=by_seed))
     return "\n\n".join(out)
-
-
-def arrivals_tables(spec_file: Path, results: Path, base_results: Path, backend: str = "sim",
-                    scale: str = "quick", physics: str = "hardware") -> str:
-    """``beside_tables`` for a sweep under other arrivals (the figure's own is Poisson)."""
-    return beside_tables(spec_file, results, base_results, backend, scale, physics, "Poisson")

@@ -29,24 +29,27 @@ for comparison) a step is one replica's queued jobs, ``load + n w/F``, and the
 dense part is a delay outside the stream, as in the testbed before the
 hardware model.
 
-A CPU-resident replica's load (v / beta) is charged in the step by
-``engine.load_overlap``: ``serial`` (the default; every figure's rule) puts it
-in the stream, before the replica's kernel and holding up the rest of the
-step; ``copy_engine`` puts it on the server's copy engine (``CopyEngine``: a
-GPU's DMA engines run host-to-device copies beside its kernels, as
-MoE-Infinity and Pre-gated MoE overlap expert loads with computation). The
-step then runs its dense part and GPU-resident experts while the loads
-stream in, and each loaded replica's kernel starts when both its copy and
-the stream's previous work are done::
+Every copy to a server's GPU goes over its one copy engine (``CopyEngine``,
+one copy at a time): a router's prefetches queue on it FIFO, a step's load of
+a CPU-resident replica (v / beta) goes after the copy in progress and ahead
+of the prefetches not yet started, and a replica whose prefetch is under way
+waits for the rest of that copy. ``engine.load_overlap`` says what the stream
+does meanwhile. ``serial`` (the default; every figure's rule): the stream
+reaches the replica, waits for its copy, then runs its kernel, so a load holds
+up the rest of the step. ``copy_engine``: the step's loads are queued at its
+start and the stream runs its dense part and GPU-resident experts while they
+stream in, as MoE-Infinity and Pre-gated MoE overlap expert loads with
+computation (a GPU's DMA engines copy beside its kernels)::
 
-    t = dense + resident experts;  for each loaded replica i (in the order the
-    copies were queued):  t = max(t, copy_i done) + expert_i;  step time = t
+    t = dense + resident experts;  for each loaded replica i, by when its copy is
+    done:  t = max(t, copy_i done) + expert_i;  step time = t
 
-(less the launches ``fused`` shares, as in the serial rule). The copies
-queue FIFO behind the server's prefetches on the same engine, and a replica
-whose prefetch is still in flight waits for that copy instead of paying a
-new one. The queued-work estimate a server publishes still adds loads in
-full: an upper bound of the overlapped step.
+(less the launches ``fused`` shares, as in the serial rule). On an idle
+engine the serial rule is the sum above with each load in full. The
+queued-work estimate a server publishes adds loads in full under either rule.
+Until 2026-12-05 a step's load ran in the stream and prefetches had an engine
+of their own: a prefetching server had two PCIe links. The paper's world
+(one replica per step) keeps that rule.
 
 ``hold_s`` (default 0) lets a step wait up to that long after its oldest job
 arrived for more work to batch, as engines with a batching window do.
@@ -473,6 +476,15 @@ class StepScheduler:
             dur += svc.expert_s(n, p, c)
         if self.fused and len(tier) > 1:  # one set of launches per precision, not per replica
             dur -= self._shared_launches(len(tier), len({precision_of(r) for r in tier}))
+        dense = self._dense_and_tiers(jobs, counts, tier)
+        if dense is not None:
+            dur += dense
+        return dur, len(tier), loads, len(jobs) - counts.get(DENSE, 0)
+
+    def _dense_and_tiers(self, jobs: list[Job], counts: dict[int, int],
+                         tier: dict[int, bool]) -> float | None:
+        """Marks each expert job with its replica's tier; the step's dense part in seconds
+        (its tokens' attention and each request's KV cache read once), None without one."""
         attn = 0
         per_request: dict[int, int] = {}
         for j in jobs:
@@ -482,9 +494,9 @@ class StepScheduler:
                     per_request[j.request] = j.position + 1
             else:
                 j.gpu = tier[j.replica]
-        if DENSE in counts:  # a request's KV cache is read once per step
-            dur += svc.dense_s(n, counts[DENSE], attn, sum(per_request.values()))
-        return dur, len(tier), loads, len(jobs) - counts.get(DENSE, 0)
+        if DENSE not in counts:
+            return None
+        return self.svc.dense_s(self.n, counts[DENSE], attn, sum(per_request.values()))
 
     def _cost_overlap(self, jobs: list[Job], now: float) -> tuple[float, int, int, int]:
         """``_cost`` under ``load_overlap: copy_engine``: the loads run on the copy engine
@@ -508,17 +520,9 @@ class StepScheduler:
                 stream += svc.expert_s(n, p, c)
             else:
                 waits.append((copy.load(r, now, svc.load_s(n, p))[1] - now, svc.expert_s(n, p, c)))
-        attn = 0
-        per_request: dict[int, int] = {}
-        for j in jobs:
-            if j.replica == DENSE:
-                attn += j.position + 1
-                if j.position + 1 > per_request.get(j.request, 0):
-                    per_request[j.request] = j.position + 1
-            else:
-                j.gpu = tier[j.replica]
-        if DENSE in counts:
-            stream += svc.dense_s(n, counts[DENSE], attn, sum(per_request.values()))
+        dense = self._dense_and_tiers(jobs, counts, tier)
+        if dense is not None:
+            stream += dense
         for ready, kernel in sorted(waits):
             stream = (stream if stream > ready else ready) + kernel
         if self.fused and len(tier) > 1:
