@@ -158,11 +158,10 @@ class Compute:
                           at=t_end):
             self._relayer(p.key, h, p.hidden, why)  # re-route the layer from here
 
-    def _prefetch(self, replicas) -> None:
-        """Copies into this server's GPU on its copy engine (local replicas only): the step
-        scheduler's, in model time, which a step's loads share under ``load_overlap:
-        copy_engine``; the copy lands at its model end x T."""
-        t = self.now()
+    def _prefetch(self, replicas, t: float) -> None:
+        """Copies into this server's GPU on its copy engine (local replicas only), queued at
+        model time ``t`` (the dispatch's): the step scheduler's engine, which a step's loads
+        share; each copy lands at its model end x T."""
         copy = self.stream.sched.copy
         for r in replicas:
             if self.dep.replicas[r].server != self.rank:

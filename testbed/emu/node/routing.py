@@ -266,8 +266,8 @@ class Routing:
         if self.stopping:
             return
         a = routed.assignment
-        if a.prefetch:
-            self._prefetch(a.prefetch)
+        if a.prefetch:  # queued at the modeled dispatch, as the simulator queues them
+            self._prefetch(a.prefetch, t_disp)
         if built is None:
             built = self._outgoing(tok, h, t_layer, retries, tv, routed, t_dec, t_disp, group)
         out, frames = built
