@@ -2,7 +2,8 @@
 
 A killed runner must not leave work running (issue 14): emulator workers and sweep pool
 processes ask the kernel to kill them when their parent exits, however it exits
-(``PR_SET_PDEATHSIG``, Linux), and the runner treats SIGTERM like Ctrl-C so the same
+(``PR_SET_PDEATHSIG``, Linux), and the runner treats SIGTERM (and a SIGINT its shell
+told it to ignore) like Ctrl-C so the same
 ``finally`` blocks tear down in order and ``run.json`` says ``interrupted``.
 """
 
@@ -33,7 +34,11 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Inside, SIGTERM raises KeyboardInterrupt as SIGINT does (main thread only)."""
+    """Inside, SIGTERM raises KeyboardInterrupt as SIGINT does (main thread only), and so
+    does SIGINT where it was ignored: a shell without job control starts a background
+    command (``cmd &`` in a script, ``nohup cmd &``) with SIGINT ignored, and such a run or
+    sweep must still stop on ``kill -INT`` (found 2026-12-05: a sweep launched so ran on
+    for a minute after it, until killed)."""
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
@@ -42,7 +47,12 @@ def sigterm_as_interrupt() -> Iterator[None]:
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
+    old_int = None
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        old_int = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+        if old_int is not None:
+            signal.signal(signal.SIGINT, old_int)

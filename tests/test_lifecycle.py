@@ -27,12 +27,17 @@ FIG = {"figure": 97, "title": "lifecycle",
                                                    "workload.warmup_s": 0.1}}}}
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start(tmp_path: Path, preexec=None) -> tuple[subprocess.Popen, list[psutil.Process]]:
     spec = tmp_path / "fig.yaml"
     spec.write_text(yaml.safe_dump(FIG))
     p = subprocess.Popen([sys.executable, "-m", "testbed", "sweep", "--fig", "97", "--spec", str(spec),
                           "--scale", "smoke", "--jobs", "2", "--quiet", "--results", str(tmp_path / "r")],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=preexec)
     deadline = time.monotonic() + 120
     kids: list[psutil.Process] = []
     while time.monotonic() < deadline and len(kids) < 2:
@@ -55,6 +60,17 @@ def test_sigterm_stops_the_pool_and_says_so(tmp_path):
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "interrupted" in err, err[-2000:]
+    assert _gone(kids, 5), [k.pid for k in kids if k.is_running()]
+
+
+@pytest.mark.slow
+def test_sigint_stops_a_sweep_started_with_sigint_ignored(tmp_path):
+    """A shell without job control starts ``cmd &`` with SIGINT ignored; ``kill -INT`` must
+    still stop the sweep and its pool (it ran on until SIGKILL before 2026-12-05)."""
+    p, kids = _start(tmp_path, preexec=_ignore_sigint)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "interrupted (signal SIGINT)" in err, err[-2000:]
     assert _gone(kids, 5), [k.pid for k in kids if k.is_running()]
 
 
