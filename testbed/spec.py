@@ -302,6 +302,13 @@ class EngineSpec(_Model):
         "then leave together, one message per destination, and a step's partials to one "
         "aggregator travel as one; 'token': each token leaves when its own decision is done, "
         "one message per token and hop. Hardware physics only (the paper's world is per token)")
+    #: written into every hardware-world resolved spec, so a run made before the rule existed
+    #: (which had prefetches on a link of their own) is not taken for one made under it
+    prefetch_link: Literal["shared", "own"] = Field(
+        "shared", description="'shared': a server's prefetches and its steps' loads use one "
+        "copy engine (since 2026-12-05); 'own': prefetches on a link of their own and a "
+        "step's load in the stream, the rule before (only prefetching routers, MoE-Infinity, "
+        "differ). Hardware physics only")
     #: ``serial`` is the rule of every figure; ``copy_engine`` is what an engine that overlaps
     #: host-to-device copies with computation pays (README, "Loads beside kernels").
     load_overlap: Literal["serial", "copy_engine"] = Field(
@@ -344,6 +351,12 @@ class ExperimentSpec(_Model):
         if self.engine.load_overlap != "serial" and self.physics != "hardware":
             raise ValueError("engine.load_overlap: 'copy_engine' needs physics: hardware (the "
                              "paper's world runs one replica per step: nothing to overlap)")
+        if self.engine.prefetch_link != "shared" and self.physics != "hardware":
+            raise ValueError("engine.prefetch_link: 'own' needs physics: hardware (the paper's "
+                             "world always gives prefetches a link of their own)")
+        if self.engine.prefetch_link == "own" and self.engine.load_overlap != "serial":
+            raise ValueError("engine.prefetch_link: 'own' needs load_overlap: serial (loads "
+                             "overlap kernels on the copy engine the prefetches share)")
         return self
 
     @property
@@ -384,6 +397,8 @@ class ExperimentSpec(_Model):
             for key, default in fields.items():
                 if not full and data[section].get(key, default) == default:
                     data[section].pop(key, None)
+        if not full and self.physics != "hardware":  # the paper's world has one rule
+            data["engine"].pop("prefetch_link", None)
         return yaml.safe_dump(data, sort_keys=False)
 
 

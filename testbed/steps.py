@@ -48,8 +48,9 @@ computation (a GPU's DMA engines copy beside its kernels)::
 engine the serial rule is the sum above with each load in full. The
 queued-work estimate a server publishes adds loads in full under either rule.
 Until 2026-12-05 a step's load ran in the stream and prefetches had an engine
-of their own: a prefetching server had two PCIe links. The paper's world
-(one replica per step) keeps that rule.
+of their own: a prefetching server had two PCIe links (``engine.prefetch_link:
+own`` keeps that rule, to reproduce runs made under it). The paper's world (one
+replica per step) keeps it too.
 
 ``hold_s`` (default 0) lets a step wait up to that long after its oldest job
 arrived for more work to batch, as engines with a batching window do.
@@ -198,7 +199,8 @@ class StepScheduler:
                  resident: Callable[[int], bool], scope: str = "layer",
                  max_batch_tokens: int = 2048, hold_s: float = 0.0,
                  on_execute: Callable[[int, bool], None] | None = None,
-                 moe_kernels: str = "fused", load_overlap: str = "serial") -> None:
+                 moe_kernels: str = "fused", load_overlap: str = "serial",
+                 prefetch_link: str = "shared") -> None:
         if scope not in ("layer", "replica"):
             raise ValueError("scope must be 'layer' or 'replica'")
         if moe_kernels not in ("per_expert", "fused"):
@@ -207,6 +209,12 @@ class StepScheduler:
             raise ValueError("load_overlap must be 'serial' or 'copy_engine'")
         if load_overlap == "copy_engine" and scope != "layer":
             raise ValueError("load_overlap 'copy_engine' needs the layer scope (hardware physics)")
+        if prefetch_link not in ("shared", "own"):
+            raise ValueError("prefetch_link must be 'shared' or 'own'")
+        if prefetch_link == "own" and load_overlap != "serial":
+            raise ValueError("prefetch_link 'own' needs load_overlap 'serial'")
+        #: own: a step's load runs in the stream, prefetches alone on ``copy`` (before 2026-12-05)
+        self.shared_link = prefetch_link == "shared"
         #: copy_engine: a step's loads run on ``copy`` beside its kernels (``_cost_overlap``)
         self.overlap = load_overlap == "copy_engine"
         self.copy = CopyEngine()
@@ -467,8 +475,8 @@ class StepScheduler:
                 on_execute(r, not gpu)  # dynamic caches insert and evict here
             if not gpu:  # the stream waits for the copy, on the engine the prefetches use
                 load = svc.load_s(n, p)
-                begin, end = self.copy.load(r, now + dur, load)
-                if begin == now + dur:
+                begin, end = self.copy.load(r, now + dur, load) if self.shared_link else (0.0, 0.0)
+                if not self.shared_link or begin == now + dur:
                     dur += load  # the engine was free: the copy starts as the stream reaches it
                 else:  # behind a copy in progress (or the rest of this replica's prefetch)
                     dur = end - now

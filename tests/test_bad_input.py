@@ -75,6 +75,8 @@ SPECS = [
     ("engine: {hold_s: -1}\n", "engine.hold_s"),
     ("engine: {load_overlap: async}\n", "engine.load_overlap"),
     ("physics: paper\nengine: {load_overlap: copy_engine}\n", "engine.load_overlap"),
+    ("engine: {prefetch_link: pcie}\n", "engine.prefetch_link"),
+    ("engine: {prefetch_link: own, load_overlap: copy_engine}\n", "engine.prefetch_link"),
     ("sim: {payload_efficiency: 0}\n", "sim.payload_efficiency"),
     ("emu: {dilation: -4}\n", "emu.dilation"),
     ("emu: {dilation: 0}\n", "emu.dilation"),

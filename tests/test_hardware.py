@@ -335,6 +335,19 @@ def test_a_steps_load_waits_for_a_prefetch_in_flight_or_queues_behind_others():
     assert queued[6].version == 1 and queued[6].end == pytest.approx(3 * load)
     idle, _, _ = _overlap_step("serial")
     assert idle.duration == pytest.approx(load + k0 + k1 + dense - shared, rel=1e-12)
+    # ``prefetch_link: own`` (the rule before 2026-12-05): the load in full, whatever the
+    # prefetches' engine holds
+    svc_, _ = _hw_service()
+    own = StepScheduler(svc_, 0, lambda r: fp16, lambda r: r != 1, scope="layer",
+                        prefetch_link="own")
+    own.copy.prefetch(5, 0.0, LOAD)
+    own.copy.prefetch(1, 0.0, LOAD)
+    for tok in range(2):
+        own.submit(Job(0, 0, tok, tok, 0, 0.5 * LOAD))
+    own.submit(Job(0, 1, 0, 0, 0, 0.5 * LOAD))
+    own.submit(Job(0, DENSE, 2, 2, 3, 0.5 * LOAD))
+    assert own.take(0.5 * LOAD).duration == idle.duration
+    assert [c.version for c in own.copy.queue] == [0, 0]  # the prefetches untouched
 
 
 def load_of(sc):
@@ -355,6 +368,15 @@ def test_load_overlap_is_refused_where_steps_hold_one_replica_and_left_out_at_de
     with pytest.raises(SpecError, match="engine.load_overlap.*physics: hardware"):
         parse_spec({"physics": "paper", "engine": {"load_overlap": "copy_engine"}})
     assert "load_overlap" not in parse_spec({}).to_yaml()  # earlier runs' resolved specs hold
+    # the copy engine's rule is written into every hardware-world resolved spec (a run made
+    # when prefetches had a link of their own is not taken for one made under it), not into
+    # the paper's world's, whose rule did not change
+    assert "prefetch_link: shared" in parse_spec({}).to_yaml()
+    assert "prefetch_link" not in parse_spec({"physics": "paper"}).to_yaml()
+    with pytest.raises(SpecError, match="engine.prefetch_link.*physics: hardware"):
+        parse_spec({"physics": "paper", "engine": {"prefetch_link": "own"}})
+    with pytest.raises(SpecError, match="prefetch_link.*load_overlap: serial"):
+        parse_spec({"engine": {"prefetch_link": "own", "load_overlap": "copy_engine"}})
     assert "load_overlap" in parse_spec({}).to_yaml(full=True)
     assert "load_overlap: copy_engine" in parse_spec(
         {"engine": {"load_overlap": "copy_engine"}}).to_yaml()

@@ -173,7 +173,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                               scope="layer" if self.hardware else "replica",
                               max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
                               on_execute=self.residency.on_execute,
-                              moe_kernels=eng.moe_kernels, load_overlap=eng.load_overlap)
+                              moe_kernels=eng.moe_kernels, load_overlap=eng.load_overlap,
+                              prefetch_link=eng.prefetch_link)
         sched.copy.notify = self._landing  # a prefetch a step's load moved lands when it ends
         trace = self.writer.step if self.writer.st is not None else None
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,

@@ -170,7 +170,8 @@ class SimBackend:
                                     scope="layer" if self.hardware else "replica",
                                     max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
                                     on_execute=_on_execute(self.residency[n]),
-                                    moe_kernels=eng.moe_kernels, load_overlap=eng.load_overlap)
+                                    moe_kernels=eng.moe_kernels, load_overlap=eng.load_overlap,
+                                    prefetch_link=eng.prefetch_link)
                       for n in range(N)]
         for sc in self.sched:  # a prefetch a step's load moved lands when it now ends
             sc.copy.notify = self._landing
