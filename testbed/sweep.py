@@ -14,6 +14,7 @@ Ray instance or a running cluster; testbed/ray_executor.py) under the same rules
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -174,13 +175,54 @@ def estimate_s(p: Point) -> float:
     L = next((v for k, v in layers.items() if k in w.model), 32)
     place = {"switch": 1.0, "qwen": 15.0, "mixtral": 3.0}
     placement = next((v for k, v in place.items() if k in w.model), 3.0)
-    token_layers = w.rate_per_s * w.duration_s * (w.prompt_tokens + w.gen_tokens) * L
+    requests, tokens = _requests_and_tokens(w)
+    token_layers = requests * tokens * L
     replay = _replay_s(token_layers) if _replays(s) else 0.0
     if s.backend == "emu":
         from .emu.dilation import dilation_for
         dil = dilation_for(s, L)[0]
         return placement + 25.0 + (w.duration_s + 0.3 * s.emu.max_drain_s) * dil + replay
     return placement + token_layers / 15_000 + replay
+
+
+def _requests_and_tokens(w) -> tuple[float, float]:
+    """Requests a run will get and their mean tokens: rate x duration of the spec's lengths,
+    or what a request trace gives (``workload.requests_file``: the recorded arrivals in the
+    window under ``trace_rate: recorded``, each row's capped lengths under ``lengths:
+    trace``). A trace that cannot be read counts as the spec's fixed lengths (the run says
+    what is wrong with it)."""
+    requests = w.rate_per_s * w.duration_s
+    tokens = float(w.prompt_tokens + w.gen_tokens)
+    if not w.requests_file:
+        return requests, tokens
+    try:
+        trace = _trace(str(w.requests_file))
+    except (OSError, ValueError):
+        return requests, tokens
+    import numpy as np
+    from workloads.arrivals import trace_arrivals
+    if w.arrivals == "trace":
+        try:
+            times, rows = trace_arrivals(trace, w.rate_per_s, w.trace_rate, w.trace_start_s,
+                                         duration_s=w.duration_s)
+        except ValueError:
+            return requests, tokens
+        requests = float(times.size)
+    else:
+        rows = np.arange(int(round(requests))) % max(trace.n, 1)
+    if w.lengths == "trace" and rows.size:
+        big = np.iinfo(np.int64).max
+        prompt = np.minimum(trace.prompt_tokens[rows], w.max_prompt_tokens or big)
+        gen = np.minimum(trace.gen_tokens[rows], w.max_gen_tokens if w.max_gen_tokens is not None
+                         else big)
+        tokens = float((prompt + gen).mean())
+    return requests, tokens
+
+
+@functools.lru_cache(maxsize=8)
+def _trace(path: str):
+    from workloads.request_trace import read_request_trace
+    return read_request_trace(path)
 
 
 def _replays(spec) -> bool:

@@ -294,3 +294,25 @@ def test_a_window_that_measures_no_request_still_gives_metrics(tmp_path):
     res = run_experiment(spec, tmp_path / "run", progress=False)
     assert res.metrics["requests"] == 0 and np.isnan(res.metrics["mean_ms"])
     assert res.info["status"] == "complete"
+
+
+def test_a_sweeps_estimate_counts_what_a_trace_gives(tmp_path):
+    """``sweep --dry-run``'s estimate takes a trace's recorded arrivals in the window and its
+    rows' capped lengths, not the spec's rate and fixed lengths (it did before 2026-12-05)."""
+    from testbed.setup import build_setup
+    from testbed.sweep import _requests_and_tokens
+    trace = tmp_path / "reqs.csv"
+    rows = ["arrival_s,prompt_tokens,gen_tokens"]
+    rows += [f"{0.07 * i:.2f},{100 + 300 * (i % 4)},{i % 3}" for i in range(12)]
+    trace.write_text("\n".join(rows) + "\n")
+    spec = parse_spec({"topology": "small3", "workload": {
+        "model": "switch", "rate_per_s": 50, "duration_s": 0.5, "warmup_s": 0.1,
+        "calibration_tokens": 64, "arrivals": "trace", "trace_rate": "recorded",
+        "lengths": "trace", "max_prompt_tokens": 500, "requests_file": str(trace)}})
+    reqs = build_setup(spec).requests
+    n, tokens = _requests_and_tokens(spec.workload)
+    assert n == len(reqs) == 8  # arrivals 0.00-0.49 s, not 50 req/s x 0.5 s
+    assert tokens == pytest.approx(np.mean([r.prompt_tokens + r.gen_tokens for r in reqs]))
+    assert max(r.prompt_tokens for r in reqs) == 500
+    fixed = parse_spec({"workload": {"rate_per_s": 50, "duration_s": 0.5, "warmup_s": 0.1}})
+    assert _requests_and_tokens(fixed.workload) == (25.0, 68.0)  # 36 + 32 tokens
