@@ -113,20 +113,17 @@ class CopyEngine:
     prefetch of the replica itself becomes the load. ``notify(copy)`` (set by the backend)
     hears of every prefetch whose landing moved, to schedule it again."""
 
-    __slots__ = ("free", "queue", "inflight", "notify")
+    __slots__ = ("free", "queue", "notify")
 
     def __init__(self, notify=None) -> None:
         self.free = 0.0  # when the last queued copy ends
-        self.queue: list[Copy] = []  # copies not yet done, in the order they run
-        self.inflight: dict[int, Copy] = {}  # replica -> its latest prefetch not yet done
+        self.queue: list[Copy] = []  # copies not yet done, in the order they run (a few)
         self.notify = notify
 
     def _drop_done(self, now: float) -> None:
         q = self.queue
         i = 0
         while i < len(q) and q[i].end <= now:
-            if self.inflight.get(q[i].replica) is q[i]:
-                del self.inflight[q[i].replica]
             i += 1
         if i:
             del q[:i]
@@ -138,7 +135,6 @@ class CopyEngine:
         self.free = end = start + load_s
         c = Copy(replica, start, end)
         self.queue.append(c)
-        self.inflight[replica] = c
         return c
 
     def load(self, replica: int, now: float, load_s: float) -> tuple[float, float]:
@@ -148,10 +144,10 @@ class CopyEngine:
         prefetches (a queued prefetch of it is that copy, brought forward). ``begin ==
         now``: the engine was free, and the copy takes ``load_s`` from now."""
         self._drop_done(now)
-        mine = self.inflight.get(replica)
+        q = self.queue
+        mine = next((c for c in reversed(q) if c.replica == replica), None)  # its latest copy
         if mine is not None and mine.start <= now:
             return mine.start, mine.end
-        q = self.queue
         i = 0  # the first queued prefetch: the copies before it run first
         while i < len(q) and (q[i].demand or q[i].start <= now):
             i += 1
@@ -215,7 +211,7 @@ class StepScheduler:
             raise ValueError("prefetch_link 'own' needs load_overlap 'serial'")
         #: own: a step's load runs in the stream, prefetches alone on ``copy`` (before 2026-12-05)
         self.shared_link = prefetch_link == "shared"
-        #: copy_engine: a step's loads run on ``copy`` beside its kernels (``_cost_overlap``)
+        #: copy_engine: a step's loads run on ``copy`` beside its kernels (``_cost``)
         self.overlap = load_overlap == "copy_engine"
         self.copy = CopyEngine()
         #: fused: a step's experts of one precision launch once (a grouped GEMM), so each
@@ -455,16 +451,16 @@ class StepScheduler:
 
     def _cost(self, jobs: list[Job], now: float = 0.0) -> tuple[float, int, int, int]:
         """Stream seconds, active replicas, loads and expert jobs of a step starting at
-        ``now``; marks each job with the tier its replica ran from."""
+        ``now`` (the load rules in the module docstring); marks each job with the tier its
+        replica ran from."""
         if self.scope == "replica" and jobs[0].replica != DENSE:
             return self._cost_one(jobs)
-        if self.overlap:
-            return self._cost_overlap(jobs, now)
         svc, n = self.svc, self.n
         counts: dict[int, int] = {}  # replicas in order of first appearance
         for j in jobs:
             counts[j.replica] = counts.get(j.replica, 0) + 1
         dur, loads, tier = 0.0, 0, {}
+        waits = []  # copy_engine: (copy done, kernel) of each loaded replica
         precision_of, resident, on_execute = self.precision_of, self.resident, self.on_execute
         for r, c in counts.items():
             if r == DENSE:
@@ -473,20 +469,31 @@ class StepScheduler:
             gpu = tier[r] = resident(r)
             if on_execute is not None:
                 on_execute(r, not gpu)  # dynamic caches insert and evict here
-            if not gpu:  # the stream waits for the copy, on the engine the prefetches use
+            if not gpu:
+                loads += 1
                 load = svc.load_s(n, p)
+                if self.overlap:  # queued at the step's start; the kernel waits for it
+                    waits.append((self.copy.load(r, now, load)[1] - now, svc.expert_s(n, p, c)))
+                    continue
+                # serial: the stream waits for the copy, on the engine the prefetches use
                 begin, end = self.copy.load(r, now + dur, load) if self.shared_link else (0.0, 0.0)
                 if not self.shared_link or begin == now + dur:
                     dur += load  # the engine was free: the copy starts as the stream reaches it
                 else:  # behind a copy in progress (or the rest of this replica's prefetch)
                     dur = end - now
-                loads += 1
             dur += svc.expert_s(n, p, c)
-        if self.fused and len(tier) > 1:  # one set of launches per precision, not per replica
-            dur -= self._shared_launches(len(tier), len({precision_of(r) for r in tier}))
+        shared = (self._shared_launches(len(tier), len({precision_of(r) for r in tier}))
+                  if self.fused and len(tier) > 1 else None)  # one set of launches per precision
+        if not self.overlap and shared is not None:
+            dur -= shared
         dense = self._dense_and_tiers(jobs, counts, tier)
         if dense is not None:
             dur += dense
+        if self.overlap:  # the loaded replicas' kernels, each once its copy is done
+            for ready, kernel in sorted(waits):
+                dur = (dur if dur > ready else ready) + kernel
+            if shared is not None:
+                dur -= shared
         return dur, len(tier), loads, len(jobs) - counts.get(DENSE, 0)
 
     def _dense_and_tiers(self, jobs: list[Job], counts: dict[int, int],
@@ -505,37 +512,6 @@ class StepScheduler:
         if DENSE not in counts:
             return None
         return self.svc.dense_s(self.n, counts[DENSE], attn, sum(per_request.values()))
-
-    def _cost_overlap(self, jobs: list[Job], now: float) -> tuple[float, int, int, int]:
-        """``_cost`` under ``load_overlap: copy_engine``: the loads run on the copy engine
-        while the stream runs the dense part and the GPU-resident experts; each loaded
-        replica's kernel then waits for its copy (module docstring)."""
-        svc, n = self.svc, self.n
-        counts: dict[int, int] = {}
-        for j in jobs:
-            counts[j.replica] = counts.get(j.replica, 0) + 1
-        stream, tier, waits = 0.0, {}, []  # waits: (copy done, kernel) of loaded replicas
-        precision_of, resident, on_execute, copy = (self.precision_of, self.resident,
-                                                    self.on_execute, self.copy)
-        for r, c in counts.items():
-            if r == DENSE:
-                continue
-            p = precision_of(r)
-            gpu = tier[r] = resident(r)
-            if on_execute is not None:
-                on_execute(r, not gpu)
-            if gpu:
-                stream += svc.expert_s(n, p, c)
-            else:
-                waits.append((copy.load(r, now, svc.load_s(n, p))[1] - now, svc.expert_s(n, p, c)))
-        dense = self._dense_and_tiers(jobs, counts, tier)
-        if dense is not None:
-            stream += dense
-        for ready, kernel in sorted(waits):
-            stream = (stream if stream > ready else ready) + kernel
-        if self.fused and len(tier) > 1:
-            stream -= self._shared_launches(len(tier), len({precision_of(r) for r in tier}))
-        return stream, len(tier), len(waits), len(jobs) - counts.get(DENSE, 0)
 
     def _cost_one(self, jobs: list[Job]) -> tuple[float, int, int, int]:
         """``_cost`` of a step of one replica's jobs (the replica scope: the paper's world
