@@ -73,6 +73,11 @@ DENSE = -1  # replica id of a dense-part job
 #: what a partial take leaves is sorted) -- and a float key sorts faster than a tuple
 _BY_PRIO = attrgetter("prio")
 _ARRIVAL = attrgetter("arrival")
+#: model seconds within which two instants are one on the copy engine: the emulator's model
+#: times come back from wall stamps with float error (a step that starts as a prefetch is
+#: queued read 2e-18 s before it there, pushing the prefetch back where the simulator let it
+#: run), as ``StepScheduler.take`` takes the jobs that arrived within it
+SAME_INSTANT_S = 1e-9
 
 
 class Job:
@@ -123,7 +128,7 @@ class CopyEngine:
     def _drop_done(self, now: float) -> None:
         q = self.queue
         i = 0
-        while i < len(q) and q[i].end <= now:
+        while i < len(q) and q[i].end <= now + SAME_INSTANT_S:
             i += 1
         if i:
             del q[:i]
@@ -137,19 +142,29 @@ class CopyEngine:
         self.queue.append(c)
         return c
 
-    def load(self, replica: int, now: float, load_s: float) -> tuple[float, float]:
+    def load(self, replica: int, now: float, load_s: float,
+             since: float | None = None) -> tuple[float, float]:
         """A stream needs ``replica`` on the GPU from ``now``: (begin, end) of the copy that
         puts it there. A prefetch of it already under way is waited for; otherwise its copy
         runs after the copy in progress and the on-demand copies queued, before the queued
         prefetches (a queued prefetch of it is that copy, brought forward). ``begin ==
-        now``: the engine was free, and the copy takes ``load_s`` from now."""
-        self._drop_done(now)
+        now``: the engine was free, and the copy takes ``load_s`` from now. ``since`` (the
+        step's start, where the stream reaches the replica later): a prefetch of it that
+        landed after ``since`` and by ``now`` put it there, and ``end <= now`` says so."""
         q = self.queue
+        eps = SAME_INSTANT_S
+        if since is not None:
+            for c in reversed(q):
+                if c.replica == replica:
+                    if not c.demand and since + eps < c.end <= now + eps:
+                        return c.start, c.end
+                    break
+        self._drop_done(now)
         mine = next((c for c in reversed(q) if c.replica == replica), None)  # its latest copy
-        if mine is not None and mine.start <= now:
+        if mine is not None and mine.start <= now + eps:
             return mine.start, mine.end
         i = 0  # the first queued prefetch: the copies before it run first
-        while i < len(q) and (q[i].demand or q[i].start <= now):
+        while i < len(q) and (q[i].demand or q[i].start <= now + eps):
             i += 1
         begin = q[i - 1].end if i else now
         t = end = begin + load_s
@@ -476,11 +491,13 @@ class StepScheduler:
                     waits.append((self.copy.load(r, now, load)[1] - now, svc.expert_s(n, p, c)))
                     continue
                 # serial: the stream waits for the copy, on the engine the prefetches use
-                begin, end = self.copy.load(r, now + dur, load) if self.shared_link else (0.0, 0.0)
-                if not self.shared_link or begin == now + dur:
+                at = now + dur
+                begin, end = self.copy.load(r, at, load, since=now) if self.shared_link else (0.0, 0.0)
+                if not self.shared_link or begin == at:
                     dur += load  # the engine was free: the copy starts as the stream reaches it
-                else:  # behind a copy in progress (or the rest of this replica's prefetch)
+                elif end > at:  # behind a copy in progress (or the rest of this replica's prefetch)
                     dur = end - now
+                # else its prefetch landed during the step, before the stream reached it
             dur += svc.expert_s(n, p, c)
         shared = (self._shared_launches(len(tier), len({precision_of(r) for r in tier}))
                   if self.fused and len(tier) > 1 else None)  # one set of launches per precision

@@ -350,6 +350,32 @@ def test_a_steps_load_waits_for_a_prefetch_in_flight_or_queues_behind_others():
     assert [c.version for c in own.copy.queue] == [0, 0]  # the prefetches untouched
 
 
+def test_serial_a_prefetch_that_lands_before_the_stream_reaches_its_replica_is_not_loaded_again():
+    """Serial rule: replica 1 is not resident at the step's start, but its prefetch ends
+    while the stream runs replica 0's kernel: when the stream reaches replica 1 its weights
+    are on the GPU, so the step pays no copy for it (the rule first charged a second full
+    load here, where the emulator's late-running loop often saw the landing already)."""
+    fp16 = Precision.FP16
+    svc, _ = _hw_service()
+    k0 = svc.expert_s(0, fp16, 2)
+    k1, shared, dense = svc.expert_s(0, fp16, 1), svc.expert_launch_s(0), svc.dense_s(0, 1, 4, 4)
+    now = LOAD - 0.5 * k0  # the prefetch (0 .. LOAD) lands half way through replica 0's kernel
+    landed, _, _ = _overlap_step("serial", before=lambda sc: sc.copy.prefetch(1, 0.0, load_of(sc)),
+                                 now=now)
+    assert landed.duration == pytest.approx(k0 + k1 + dense - shared, rel=1e-12)
+    assert landed.loads == 1  # its weights still came over PCIe during the step
+    # still under way when the stream gets there: the rest of it is waited for
+    now = LOAD - 2 * k0
+    waits, _, _ = _overlap_step("serial", before=lambda sc: sc.copy.prefetch(1, 0.0, load_of(sc)),
+                                now=now)
+    assert waits.duration == pytest.approx(2 * k0 + k1 + dense - shared, rel=1e-9)
+    # a prefetch that landed before the step started and whose replica was evicted since
+    # (not resident at the start) is no copy of it: loaded in full
+    evicted, _, _ = _overlap_step("serial", before=lambda sc: sc.copy.prefetch(1, 0.0, load_of(sc)),
+                                  now=LOAD + k0)
+    assert evicted.duration == pytest.approx(LOAD + k0 + k1 + dense - shared, rel=1e-12)
+
+
 def load_of(sc):
     return sc.svc.load_s(0, Precision.FP16)
 
