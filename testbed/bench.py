@@ -10,6 +10,9 @@
 - ``sim_token_layers_per_s``: token-layers per second of the discrete-event
   backend end to end (routing, events, records), Mixtral at the paper's load,
   under each physics (the hardware world drains a backlog after the arrivals).
+- ``router_per_token_layer[physics]``: HetRoute's own CPU time per simulated token-layer
+  (its decisions and its feedback) in a run of ``sim_token_layers_per_s``'s setting, and the
+  token-layers/s that time alone allows: the ceiling the router puts on the simulator.
 - ``fig9_full``: one run of the full-scale Fig. 9 sim sweep (its largest point,
   HetRoute at 80 req/s), timed, and the whole sweep's time extrapolated from it
   by the ratio of measured to estimated time (what ``sweep --dry-run`` prints).
@@ -91,6 +94,34 @@ def _sim(duration_s: float, physics: str) -> dict:
             "per_s": round(st.token_layers / dt), "sim_time_s": round(st.sim_time_s, 3)}
 
 
+def _router_share(duration_s: float, physics: str) -> dict:
+    """The router's own CPU time per simulated token-layer, decisions (the core's measured
+    time around ``route``) and feedback (``on_layer_done``, timed here), and the
+    token-layers/s the simulator could not pass if everything but the router were free: the
+    ceiling the router puts on ``sim_token_layers_per_s``. A run of its own, since timing
+    the feedback slows the loop it times."""
+    spec = parse_spec({"name": "bench-router", "physics": physics,
+                       "workload": {"duration_s": duration_s, "warmup_s": 0.2, "gen_tokens": 0}})
+    setup = build_setup(spec)
+    writer = RecordWriter(None, setup.shape.top_k)
+    sim = SimBackend(setup, writer)
+    spent = [0.0]
+    clock = time.thread_time
+    for d in {id(x): x for x in sim.deciders}.values():
+        def timed(rec, f=d.on_layer_done):
+            t0 = clock()
+            f(rec)
+            spent[0] += clock() - t0
+        d.on_layer_done = timed
+    st = sim.run()
+    writer.close()
+    n = st.token_layers
+    router_s = st.decision_cpu_s + spent[0]
+    return {"decision_us": round(1e6 * st.decision_cpu_s / n, 2),
+            "feedback_us": round(1e6 * spent[0] / n, 2),
+            "ceiling_per_s": round(n / router_s) if router_s > 0 else None}
+
+
 def _fig9_full() -> dict:
     """Time the full-scale Fig. 9 sim sweep's largest run; extrapolate the sweep."""
     from .runner import run_experiment
@@ -121,6 +152,7 @@ def main() -> None:
         m: _decisions(m, 100, reference=True)["per_s"] for m in dec}
     res["sim"] = {p: _sim(3.0, p) for p in ("hardware", "paper")}
     res["sim_token_layers_per_s"] = {p: r["per_s"] for p, r in res["sim"].items()}
+    res["router_per_token_layer"] = {p: _router_share(3.0, p) for p in ("hardware", "paper")}
     res["fig9_full"] = _fig9_full()
     (out / "bench.json").write_text(json.dumps(res, indent=2))
     for m, v in res["router_decisions_per_s"].items():
@@ -130,6 +162,10 @@ def main() -> None:
     for p, sim in res["sim"].items():
         print(f"sim_token_layers_per_s[physics={p}] = {sim['per_s']:,}  (floor {FLOOR:,}, "
               f"target 200,000; {sim['token_layers']:,} token-layers in {sim['seconds']} s)")
+    for p, r in res["router_per_token_layer"].items():
+        print(f"router per simulated token-layer [physics={p}]: decisions {r['decision_us']} us, "
+              f"feedback {r['feedback_us']} us: the simulator cannot pass "
+              f"{r['ceiling_per_s']:,} token-layers/s with this router, all else free")
     f9 = res["fig9_full"]
     print(f"fig9 full sim sweep: one run ({f9['point']}) {f9['run_s']} s (estimated "
           f"{f9['estimated_run_s']} s); {f9['sweep_runs']} runs on {f9['jobs']} jobs: "
