@@ -80,14 +80,20 @@ def _decisions(model: str, tokens: int, seed: int = 11, reference: bool = False)
             "replicas_per_expert": round(setup.deployment.summary(setup.shape)["replicas_per_expert"], 2)}
 
 
-def _sim(duration_s: float, physics: str) -> dict:
-    # prompt only (pinned): the speeds README and bench.json report are of the figures' runs
+def _backend(duration_s: float, physics: str) -> tuple[SimBackend, RecordWriter]:
+    """The bench's simulator setting: paper10, Mixtral, prompt only (pinned: the speeds
+    README and bench.json report are of the figures' runs)."""
     spec = parse_spec({"name": "bench-sim", "physics": physics,
                        "workload": {"duration_s": duration_s, "warmup_s": 0.2, "gen_tokens": 0}})
     setup = build_setup(spec)
     writer = RecordWriter(None, setup.shape.top_k)
+    return SimBackend(setup, writer), writer
+
+
+def _sim(duration_s: float, physics: str) -> dict:
+    sim, writer = _backend(duration_s, physics)
     t0 = time.perf_counter()
-    st = SimBackend(setup, writer).run()
+    st = sim.run()
     writer.close()
     dt = time.perf_counter() - t0
     return {"token_layers": st.token_layers, "events": st.events, "seconds": round(dt, 3),
@@ -100,11 +106,7 @@ def _router_share(duration_s: float, physics: str) -> dict:
     token-layers/s the simulator could not pass if everything but the router were free: the
     ceiling the router puts on ``sim_token_layers_per_s``. A run of its own, since timing
     the feedback slows the loop it times."""
-    spec = parse_spec({"name": "bench-router", "physics": physics,
-                       "workload": {"duration_s": duration_s, "warmup_s": 0.2, "gen_tokens": 0}})
-    setup = build_setup(spec)
-    writer = RecordWriter(None, setup.shape.top_k)
-    sim = SimBackend(setup, writer)
+    sim, writer = _backend(duration_s, physics)
     spent = [0.0]
     clock = time.thread_time
     for d in {id(x): x for x in sim.deciders}.values():

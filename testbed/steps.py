@@ -153,14 +153,12 @@ class CopyEngine:
         landed after ``since`` and by ``now`` put it there, and ``end <= now`` says so."""
         q = self.queue
         eps = SAME_INSTANT_S
-        if since is not None:
-            for c in reversed(q):
-                if c.replica == replica:
-                    if not c.demand and since + eps < c.end <= now + eps:
-                        return c.start, c.end
-                    break
-        self._drop_done(now)
         mine = next((c for c in reversed(q) if c.replica == replica), None)  # its latest copy
+        if mine is not None and mine.end <= now + eps:  # done: ``_drop_done`` drops it
+            if since is not None and not mine.demand and mine.end > since + eps:
+                return mine.start, mine.end  # its prefetch landed before the stream got here
+            mine = None
+        self._drop_done(now)
         if mine is not None and mine.start <= now + eps:
             return mine.start, mine.end
         i = 0  # the first queued prefetch: the copies before it run first
