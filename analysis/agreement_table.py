@@ -43,12 +43,14 @@ def _ensemble(c: dict) -> str:
 
 
 def _seeds(c: dict) -> str:
-    """The seeds' bootstrap interval of the mean ratio (and of the work's, where a run was
-    cut) and what it decides; ``-`` for one seed."""
+    """The seeds' bootstrap interval of the mean and P99 ratios (and of the work's, where a
+    run was cut) and what each decides; ``-`` for one seed."""
     d = c.get("seed_ci")
     if not d:
         return "-"
-    ci = SeedInterval(d["seeds"], tuple(d["mean"]), tuple(d["work"]))
+    p99 = d.get("p99")  # absent from files written before the P99 was bounded
+    ci = SeedInterval(d["seeds"], tuple(d["mean"]), tuple(d["work"]),
+                      tuple(p99) if p99 is not None else None)
     parts = ci.judged(c["requests"], c["cut"], c["kind"])
     return "; ".join(f"{name} {lo:.3f}-{hi:.3f} ({v})" for name, (lo, hi), v in parts) or "-"
 

@@ -194,6 +194,34 @@ def test_the_seeds_interval_says_agrees_disagrees_or_undecided():
     assert none.verdict(0.05, "mean") == "no interval" and none.verdict(0.05, "work") == "agrees"
     # reproducible: seeded
     assert seed_interval([(lat[0], 90), (lat[1], 110)], [(lat[0], 100), (lat[1], 100)]) == split
+    # the P99 too: equal seeds agree, 20% slower everywhere disagrees, no request no interval
+    assert same.p99 == (1.0, 1.0) and same.verdict(0.10, "P99") == "agrees"
+    assert slow.p99[0] == pytest.approx(1.2) and slow.p99[1] == pytest.approx(1.2)
+    assert slow.verdict(0.10, "P99") == "disagrees"
+    assert none.verdict(0.10, "P99") == "no interval"
+    assert [m for m, *_ in same.judged((3, 3), cut=True)] == ["mean", "P99", "work"]
+
+
+def test_one_heavy_tailed_seed_moves_the_pooled_p99_and_its_interval_says_so():
+    """The pooled P99 is set by the seeds with the heaviest tails: one emulated seed whose
+    five slowest requests run 30% longer than any simulated one takes the pooled P99 out
+    of 10% while the mean stays within, and the interval over the seeds is undecided (a
+    resample without that seed reads 1.0), where the same seeds without it agree."""
+    from testbed.agreement import seed_interval
+    rng = np.random.default_rng(3)
+    sim = [rng.uniform(0.4, 1.0, 20) for _ in range(14)]
+    emu = [x.copy() for x in sim]
+    emu[11][-5:] = 1.3 * max(float(x.max()) for x in sim)
+    pool = lambda parts: np.percentile(np.concatenate(parts), 99)  # noqa: E731
+    assert pool(emu) / pool(sim) > 1.10
+    assert np.concatenate(emu).mean() / np.concatenate(sim).mean() < 1.05
+    ci = seed_interval([(x, 100) for x in emu], [(x, 100) for x in sim])
+    assert ci.p99[0] == pytest.approx(1.0) and ci.p99[1] > 1.10
+    assert ci.verdict(0.10, "P99") == "undecided at 14 seeds"
+    assert ci.verdict(0.05, "mean") == "agrees"
+    drop = [k for k in range(14) if k != 11]
+    ci13 = seed_interval([(emu[k], 100) for k in drop], [(sim[k], 100) for k in drop])
+    assert ci13.p99 == (1.0, 1.0) and ci13.verdict(0.10, "P99") == "agrees"
 
 
 def test_pooled_seeds_carry_their_interval_and_one_seed_none():

@@ -27,6 +27,21 @@ def _point(router: str, rate: float, mean: tuple, p99: tuple, work: tuple, cut: 
                                   "ok_ensemble": c.ok_ensemble}))
 
 
+def test_the_p99_interval_is_shown_where_the_file_has_one(tmp_path):
+    """Files since 2026-12-06 bound the P99 over the seeds too; older ones (no ``p99``)
+    keep their rows as they were."""
+    new = _point("hetroute", 40, (538.4, 551.1), (1274.2, 1068.5), (405504, 405504), None,
+                 seeds=14, seed_ci=SeedInterval(14, (0.913, 1.047), (1.0, 1.0), (0.84, 1.25)))
+    old = _point("edgeshard", 10, (541.2, 540.5), (617.8, 617.3), (5760, 5760), None, seeds=3,
+                 seed_ci=SeedInterval(3, (0.97, 1.04), (1.0, 1.0)))
+    del old["check"]["seed_ci"]["p99"]  # as an agreement.json of 2026-12-05 has it
+    (tmp_path / "agreement.json").write_text(json.dumps([new, old]))
+    rows = table(load(tmp_path)).splitlines()[2:4]
+    assert rows[0].endswith("| mean 0.970-1.040 (agrees) |")
+    assert rows[1].endswith("| mean 0.913-1.047 (undecided at 14 seeds); "
+                            "P99 0.840-1.250 (undecided at 14 seeds) |")
+
+
 def test_rows_say_what_the_file_holds_sorted_and_counted(tmp_path):
     band = Band((0.0, 1e-5), (900.0, 1300.0), (1000.0, 1600.0), (4000, 5000))
     # against the ensemble (exact and jittered twins pooled) the mean is within, the work not
