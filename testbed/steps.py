@@ -10,7 +10,13 @@ here and the expert jobs of that layer, grouped by replica, at most
 one holding the job of the oldest request (first come, first served, as
 vLLM's scheduler), so a micro-batch that finishes one layer and queues for
 the next is served next: a pipeline stage runs it through its consecutive
-layers, and newer requests that reached the same layer join it.
+layers, and newer requests that reached the same layer join it. Between jobs of
+one request the earlier arrival (model time) goes first, then the earlier
+submission: the simulator submits each job at its arrival, so there the two
+orders are one; the emulator's loop may submit a job after one that arrived
+later (a dispatch to itself handled behind a peer's frame), and ordered by
+submission such a pair once swapped two of a server's steps (README, "Emulator
+against simulator", fastbehindslow4's seed 19).
 
     step time = sum over active replicas (load v/beta if CPU-resident + expert(n_r tokens))
                 + dense(n tokens, their attention and KV-cache reads)
@@ -72,6 +78,9 @@ DENSE = -1  # replica id of a dense-part job
 #: and jobs of equal prio always sit in seq order in a group (appended with rising seq;
 #: what a partial take leaves is sorted) -- and a float key sorts faster than a tuple
 _BY_PRIO = attrgetter("prio")
+#: within one prio, jobs go by model arrival (``StepScheduler`` docstring); the stable sort
+#: keeps submission order between equal arrivals
+_BY_PRIO_ARRIVAL = attrgetter("prio", "arrival")
 _ARRIVAL = attrgetter("arrival")
 #: model seconds within which two instants are one on the copy engine: the emulator's model
 #: times come back from wall stamps with float error (a step that starts as a prefetch is
@@ -239,13 +248,17 @@ class StepScheduler:
         self._pending: dict[int, dict[int, int]] = {}  # layer -> replica -> queued jobs
         self._positions: dict[int, int] = {}  # layer -> positions its queued dense jobs attend
         self._layer_cost: dict[int, float] = {}  # layer -> estimated stream time
-        self._head: dict[int, tuple[float, int]] = {}  # layer -> (prio, seq) of its first job
+        #: layer -> (prio, arrival, seq) of its first job
+        self._head: dict[int, tuple[float, float, int]] = {}
         #: fused: layer -> precision -> queued replicas of it (the launches they share)
         self._prec_reps: dict[int, dict[Precision, int]] = {}
         self._expert_steps: dict[Precision, list[float]] = {}  # see ``_extend_steps``
         self.busy = False
         self.free_at = 0.0
         self._seq = 0
+        #: steps (emulator path: ``take`` with ``arrived_by``) whose layer or job order by
+        #: arrival differs from the order of submission: what ordering by submission changed
+        self.order_swaps = 0
         self.steps = 0
         self.jobs_run = 0
         #: ``submit(job)`` queues a job by the scope's rule, picked once here (a backend
@@ -276,8 +289,8 @@ class StepScheduler:
         else:
             group.append(job)
         head = self._head.get(layer)
-        if head is None or prio < head[0]:  # (a tie on prio keeps the head: its seq is older)
-            self._head[layer] = (prio, seq)
+        if head is None or prio < head[0] or (prio == head[0] and job.arrival < head[1]):
+            self._head[layer] = (prio, job.arrival, seq)  # (a tie keeps the head: its seq is older)
         pend = self._pending.get(layer)
         if pend is None:
             pend = self._pending[layer] = {}
@@ -370,12 +383,19 @@ class StepScheduler:
         runs late)."""
         if self.scope == "replica":
             return self._next_key()
-        best, key = None, None
+        best, key, by_seq, seq_key = None, None, None, None
         for k, group in self.queue.items():
             for j in group:
-                if j.arrival <= by and (best is None or (j.prio, j.seq) < best):
-                    best, key = (j.prio, j.seq), k
-        return self._next_key() if key is None else key
+                if j.arrival <= by:
+                    if best is None or (j.prio, j.arrival, j.seq) < best:
+                        best, key = (j.prio, j.arrival, j.seq), k
+                    if by_seq is None or (j.prio, j.seq) < by_seq:
+                        by_seq, seq_key = (j.prio, j.seq), k
+        if key is None:
+            return self._next_key()
+        if seq_key != key:
+            self.order_swaps += 1
+        return key
 
     def ready_at(self, now: float) -> float:
         """Earliest time the next step may start (``hold_s`` after its oldest job)."""
@@ -394,7 +414,15 @@ class StepScheduler:
         key = self._next_key() if arrived_by is None else self._next_arrived_key(limit)
         group = self.queue[key]
         if self.scope == "layer":
-            group.sort(key=_BY_PRIO)
+            # the simulator (``arrived_by`` None) submits each job at its arrival, so its
+            # groups are in arrival order within a prio already and the float key gives the
+            # same order faster; the emulator's may not be (``_BY_PRIO_ARRIVAL``)
+            if arrived_by is None:
+                group.sort(key=_BY_PRIO)
+            else:
+                group.sort(key=_BY_PRIO_ARRIVAL)
+                if any(a.seq > b.seq and a.prio == b.prio for a, b in zip(group, group[1:])):
+                    self.order_swaps += 1
         if len(group) <= self.max_tokens and max(map(_ARRIVAL, group)) <= limit:
             return self._take_all(key, group, now)  # the common case: all of it
         taken, rest, tokens = [], [], set()
@@ -413,7 +441,7 @@ class StepScheduler:
             del self.queue[key]
         if self.scope == "layer":
             if rest:
-                self._head[key] = min((j.prio, j.seq) for j in rest)
+                self._head[key] = min((j.prio, j.arrival, j.seq) for j in rest)
             else:
                 del self._head[key]
         dur, nrep, loads, experts = self._cost(taken, now)

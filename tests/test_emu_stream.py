@@ -605,6 +605,30 @@ def test_an_older_requests_job_delivered_late_for_another_layer_is_counted():
     assert s.stats.missed == 1
 
 
+def test_a_same_requests_earlier_arrival_delivered_late_for_another_layer_is_counted():
+    """Between one request's jobs the earlier arrival goes first (steps.py): a job of the
+    running step's request that had arrived before the step's first job, delivered after the
+    step started, would have been served first by the simulator."""
+    loop = precise_loop()
+    t0 = time.monotonic() + 0.02
+    s, _ = _stream(loop, lambda j: None, scope="layer", t0=t0)
+
+    def job(layer, arrival):
+        return Job(layer, 0, layer, 7, 0, arrival, Work(torch.zeros(4), layer), prio=1.0)
+
+    def late():  # after the step of layer 5 started
+        s.submit(job(4, 0.0))  # arrived before the step's first job: counted
+        s.submit(job(6, 2e-5))  # arrived after it: not counted
+
+    def first():
+        s.submit(job(5, 1e-5))
+        loop.call_soon(late)
+    loop.call_at(t0 + 1e-5 * T, first)
+    loop.run_until_complete(asyncio.sleep(0.1))
+    loop.close()
+    assert s.stats.missed == 1
+
+
 class _Wire:
     """An asyncio transport's write side: what a sender wrote, in order."""
 

@@ -14,7 +14,8 @@ A job whose modeled arrival is before a step's start but whose frame the host
 delivered after that step had started (a sender's loop running behind) waits
 for the next step, where the simulator runs it in that one, or (an older
 request's job of another layer) serves its own layer first; such jobs are
-counted (``missed``, flagged above 1% of a worker's jobs). Measured on asym5's
+counted (``missed``, flagged above 1% of a worker's jobs). So is one of the same request that
+arrived before the step's first job (steps.py orders a request's jobs by arrival). Measured on asym5's
 overloaded Prism at T = 32, none did (README, "Emulator against simulator").
 
 It runs in the worker's event loop: no thread hand-off, so a release costs a
@@ -96,10 +97,10 @@ class ModeledStream:
         self._soon = False
         #: while a step's jobs are released: the model time it ended (``on_done`` reads it)
         self.released_at: float | None = None
-        #: the running step's model start, group key and oldest request's arrival (``missed``)
+                #: the running step's model start, group key and first job's (prio, arrival) (``missed``)
         self._step_start = -1.0
         self._step_key = None
-        self._step_prio = float("inf")
+        self._step_order = (float("inf"), float("inf"))
 
     @property
     def busy(self) -> bool:
@@ -117,7 +118,7 @@ class ModeledStream:
         layer = sc.scope == "layer"
         if sc.busy and job.arrival <= self._step_start + 1e-9 and (
                 self._step_key == (job.layer if layer else job.replica)
-                or (layer and job.prio < self._step_prio)):
+                or (layer and (job.prio, job.arrival) < self._step_order)):
             self.stats.missed_late.append(time.monotonic() - self.wall(self._step_start))
         self.sched.submit(job)
         if self.sched.scope == "replica":  # the paper's world starts at once, as before
@@ -151,7 +152,8 @@ class ModeledStream:
             self.on_step(step)
         self._step_start = start
         self._step_key = step.layer if sc.scope == "layer" else step.jobs[0].replica
-        self._step_prio = step.jobs[0].prio  # (a layer's step is in request order: ``take``)
+        # (a layer's step is in request order, then arrival order: ``take``)
+        self._step_order = (step.jobs[0].prio, step.jobs[0].arrival)
         groups: dict[int, list[Job]] = {}
         for j in step.jobs:
             if j.replica != DENSE:

@@ -275,6 +275,9 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "kernel_padding_share_p99": float(np.percentile(use, 99)),
                 "kernel_over_padding": int((use > 1.0).sum()),
                 "jobs_missed_step": st.missed,
+                # steps whose layer or job order by model arrival (the rule) differs from the
+                # order this loop submitted their jobs in (steps.py, ``order_swaps``)
+                "steps_reordered_by_arrival": self.stream.sched.order_swaps,
                 "missed_late_ms_p50": float(np.median(st.missed_late) * 1e3) if st.missed_late else 0.0,
                 "missed_late_ms_p99": float(np.percentile(st.missed_late, 99) * 1e3)
                 if st.missed_late else 0.0,
