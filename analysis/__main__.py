@@ -80,11 +80,13 @@ def compare_steps(run_a: Path = typer.Argument(..., help="a run folder written w
 def first_fork(run_a: Path = typer.Argument(..., help="a finished run folder (e.g. emulated)"),
                run_b: Path = typer.Argument(..., help="the reference run of the same spec (e.g. "
                                             "its simulated twin)"),
-               tol_us: float = typer.Option(1.0, help="a start differs if by more than this, "
-                                            "model microseconds")) -> None:
+               tol_us: float = typer.Option(1.0, help="an instant (a start, a decision, a "
+                                            "part's end) differs if by more than this, model "
+                                            "microseconds")) -> None:
     """What first parts two runs of one spec, from their token-layer records: a routing
-    decision taken differently, or a start that moved first; and how far the starts and each
-    part (fan-out, step, fan-in) drifted on the common trajectory before it."""
+    decision taken differently with every earlier instant alike, or an instant that moved
+    first; and how far the starts and each part (fan-out, step, fan-in) drifted on the
+    common trajectory before it."""
     from .first_fork import fork_of_runs, format_fork
     try:
         fork = fork_of_runs(run_a, run_b, tol_us * 1e-6)

@@ -62,9 +62,10 @@ class PointScatter:
     point: str
     seeds: list[int]
     sides: dict[str, dict[str, Spread]] = field(default_factory=dict)  # side -> metric -> spread
-    #: side -> per seed, against the exact twin (``first_fork``): the first decision taken
-    #: differently (model s; NaN: none by the horizon) and the p99 of the start differences
-    #: before it (us)
+    #: side -> per seed, against the exact twin (``first_fork``): the instant of the first
+    #: decision taken differently (model s; NaN: none by the horizon), the p99 of the start
+    #: differences before it (us), and 1 where it parted with every earlier instant alike
+    #: (``Fork.first == "decision"``), else 0
     forks: dict[str, np.ndarray] = field(default_factory=dict)
 
     def quotient(self, side: str, metric: str, draws: int = 4000, seed: int = 0
@@ -122,7 +123,7 @@ def point_scatter(sweep: Path, agree: Path, rel: Path) -> PointScatter:
                                mean / exact[0] if exact[0] == exact[0] and exact[0] else float("nan")))
             f = first_fork(recs[0], ref[0])
             forks[side].append((float("nan") if f.decision_s is None else f.decision_s,
-                                f.drift_us[1]))
+                                f.drift_us[1], float(f.first == "decision")))
     out = PointScatter(str(rel), seeds, forks={k: np.array(v, dtype=float) for k, v in forks.items()})
     for side, pairs in rows.items():
         arr = np.array(pairs, dtype=float)
@@ -162,6 +163,7 @@ def format_scatter(points: list[PointScatter]) -> str:
             q = (" / ".join(f"{np.percentile(d, x) * 1e3:.1f}" for x in (25, 50, 75))
                  if d.size else "-")
             lines.append(f"  fork {name:>22}: first decision taken differently at p25 / p50 / "
-                         f"p75 {q} ms ({f.shape[0] - d.size} seeds none); start difference "
+                         f"p75 {q} ms ({f.shape[0] - d.size} seeds none; {int(f[:, 2].sum())} "
+                         f"with every earlier instant alike); start difference "
                          f"before it p99 {np.nanmedian(f[:, 1]):.1f} us (median over the seeds)")
     return "\n".join(lines)

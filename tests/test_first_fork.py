@@ -37,7 +37,9 @@ def test_a_decision_taken_differently_with_every_earlier_start_alike_is_a_decisi
     f = first_fork(_tl(a), _tl(REF))
     assert f.first == "decision" and f.decision_key == (1, 0, 0)
     assert f.decision_ab == ((2, 0, (1, 2)), (2, 0, (0, 1))) and f.decision_s == 0.020
+    assert f.decision_dt_us == pytest.approx(0.0)
     assert f.timing_key == (1, 0, 1) and f.timing_dt_us == pytest.approx(1e4)
+    assert f.timing_what == "start"
     assert f.rows_before == 2 and f.drift_us[2] == pytest.approx(0.3)
     assert f.per_layer_us[0] == pytest.approx(0.3)  # token (0, 0): layer 0 at 0, layer 1 +0.3
     assert "first to part: decision" in format_fork(f, ("emu", "sim"))
@@ -89,3 +91,48 @@ def test_parts_are_compared_only_on_token_layers_that_ended_by_the_decision_fork
     f = first_fork(ta, tb)
     assert f.rows_before == 2 and f.parts_rows == 1
     assert f.parts_us["fanout_s"][2] == pytest.approx(2.0) and f.parts_us["compute_s"][2] == 0
+
+
+def test_a_decision_is_placed_at_its_instant_and_a_dense_wait_or_a_part_that_moved_first_is_timing():
+    """Seed 19 of fastbehindslow4's HetRoute at 40 req/s (2026-12-06): request 1's first layer
+    started at the same instant in both runs, but its dense part waited 25 ms in its server's
+    stream on the simulator and 4 ms less on the emulator, and the router decided differently
+    then. Ordered by layer starts that read as a decision with every earlier start alike; what
+    parted first was a partial that arrived 424 us later, before that decision was made."""
+    ref = _tl(REF).assign(dense_s=0.0, decision_s=0.0)
+    ref.loc[2, "dense_s"] = 0.025  # (1, 0, 0) starts at 0.020 and is decided at 0.045
+    a = ref.copy()
+    a.loc[2, "dense_s"] = 0.021  # decided 4 ms earlier ...
+    a.at[2, "replica"] = [1, 2]  # ... and differently
+    assert first_fork(a, ref).decision_s is None  # decided after the horizon (the last start)
+    f = first_fork(a, ref, horizon_s=0.05)
+    assert f.decision_key == (1, 0, 0) and f.decision_s == pytest.approx(0.045)
+    assert f.decision_dt_us == pytest.approx(-4000.0)
+    assert f.first == "timing" and f.timing_key == (1, 0, 0) and f.timing_what == "decision"
+    assert f.timing_s == pytest.approx(0.045)  # the reference's instant
+    assert "(1, 0, 0)'s decision: -4000.0 us" in format_fork(f, ("emu", "sim"))
+    # a fan-in of a token-layer that ended before the decision moved first: timing, at its end
+    b = ref.copy()
+    b.at[2, "replica"] = [1, 2]  # the same decision instant, another choice
+    b.loc[1, "fanin_s"] = 1e-4 + 424e-6  # (0, 0, 1) ends at 0.0112 in the reference
+    g = first_fork(b, ref, horizon_s=0.05)
+    assert g.first == "timing" and g.timing_key == (0, 0, 1) and g.timing_what == "end"
+    assert g.timing_s == pytest.approx(0.0112) and g.timing_dt_us == pytest.approx(424.0)
+    # the same choice made at the same instant with nothing moved before it: a decision fork
+    c = ref.copy()
+    c.at[2, "replica"] = [1, 2]
+    assert first_fork(c, ref, horizon_s=0.05).first == "decision"
+
+
+def test_a_token_layer_that_ended_past_where_the_other_runs_records_stop_is_not_a_fork():
+    """asym5's HetRoute at 40 req/s, seed 1: a layer that started at 82 ms waited 2.4 s for its
+    dense part on the simulator, past the emulated run's drain cap, so the emulator has no
+    record of it; that is the cut, not a token-layer the emulator failed to start."""
+    ref = _tl(REF).assign(dense_s=0.0, decision_s=0.0)
+    ref.loc[0, "dense_s"] = 0.5  # (0, 0, 0) starts at 0 and ends at 0.5012
+    cut = ref.drop(index=0)  # A's records stop at (1, 0, 1)'s end, 0.0312
+    assert first_fork(cut, ref).first == "none"
+    early = ref.copy()
+    early.loc[0, "dense_s"] = 0.01  # ended by then in B: A lacking it is a difference
+    f = first_fork(early.drop(index=0), early)
+    assert f.first == "timing" and f.timing_key == (0, 0, 0) and f.timing_dt_us != f.timing_dt_us

@@ -66,6 +66,7 @@ def test_an_emulator_exact_to_the_simulator_does_not_scatter_and_bad_folders_are
     assert p.seeds == [0]  # seed 1 has twins but no emulated run
     assert p.sides["emu"]["work"].rms() == 0 and p.sides["emu"]["work"].out(0.05) == 0
     assert np.isnan(p.forks["emu"][0, 0]) and p.forks["emu"][0, 1] == 0  # never parts
+    assert p.forks["emu"][0, 2] == 0  # (nothing parted, so no decision fork either)
     assert p.forks["1e-05"][0, 1] > 0  # the jittered twin's starts moved
     cli = subprocess.run([sys.executable, "-m", "analysis", "seed-scatter", str(tmp_path / "sweep"),
                           str(agree)], capture_output=True, text=True)
