@@ -78,15 +78,25 @@ DENSE = -1  # replica id of a dense-part job
 #: and jobs of equal prio always sit in seq order in a group (appended with rising seq;
 #: what a partial take leaves is sorted) -- and a float key sorts faster than a tuple
 _BY_PRIO = attrgetter("prio")
-#: within one prio, jobs go by model arrival (``StepScheduler`` docstring); the stable sort
-#: keeps submission order between equal arrivals
-_BY_PRIO_ARRIVAL = attrgetter("prio", "arrival")
 _ARRIVAL = attrgetter("arrival")
 #: model seconds within which two instants are one on the copy engine: the emulator's model
 #: times come back from wall stamps with float error (a step that starts as a prefetch is
 #: queued read 2e-18 s before it there, pushing the prefetch back where the simulator let it
 #: run), as ``StepScheduler.take`` takes the jobs that arrived within it
 SAME_INSTANT_S = 1e-9
+
+
+def instant_key(t: float) -> int:
+    """A model time on a grid of ``SAME_INSTANT_S``: arrivals within it are one instant, whose
+    jobs go in submission order (the emulator's model times come back from wall stamps with
+    float error, so two jobs the simulator receives at one instant may read 1e-18 s apart)."""
+    return round(t / SAME_INSTANT_S)
+
+
+def _by_prio_arrival(j: "Job") -> tuple[float, int]:
+    """Within one prio, jobs go by model arrival (``StepScheduler`` docstring); the stable sort
+    keeps submission order within one instant."""
+    return j.prio, instant_key(j.arrival)
 
 
 class Job:
@@ -248,7 +258,7 @@ class StepScheduler:
         self._pending: dict[int, dict[int, int]] = {}  # layer -> replica -> queued jobs
         self._positions: dict[int, int] = {}  # layer -> positions its queued dense jobs attend
         self._layer_cost: dict[int, float] = {}  # layer -> estimated stream time
-        #: layer -> (prio, arrival, seq) of its first job
+        #: layer -> (prio, arrival on the ``instant_key`` grid, seq) of its first job
         self._head: dict[int, tuple[float, float, int]] = {}
         #: fused: layer -> precision -> queued replicas of it (the launches they share)
         self._prec_reps: dict[int, dict[Precision, int]] = {}
@@ -289,8 +299,8 @@ class StepScheduler:
         else:
             group.append(job)
         head = self._head.get(layer)
-        if head is None or prio < head[0] or (prio == head[0] and job.arrival < head[1]):
-            self._head[layer] = (prio, job.arrival, seq)  # (a tie keeps the head: its seq is older)
+        if head is None or prio < head[0] or (prio == head[0] and instant_key(job.arrival) < head[1]):
+            self._head[layer] = (prio, instant_key(job.arrival), seq)  # (a tie keeps the older seq)
         pend = self._pending.get(layer)
         if pend is None:
             pend = self._pending[layer] = {}
@@ -387,8 +397,9 @@ class StepScheduler:
         for k, group in self.queue.items():
             for j in group:
                 if j.arrival <= by:
-                    if best is None or (j.prio, j.arrival, j.seq) < best:
-                        best, key = (j.prio, j.arrival, j.seq), k
+                    order = (j.prio, instant_key(j.arrival), j.seq)
+                    if best is None or order < best:
+                        best, key = order, k
                     if by_seq is None or (j.prio, j.seq) < by_seq:
                         by_seq, seq_key = (j.prio, j.seq), k
         if key is None:
@@ -416,11 +427,11 @@ class StepScheduler:
         if self.scope == "layer":
             # the simulator (``arrived_by`` None) submits each job at its arrival, so its
             # groups are in arrival order within a prio already and the float key gives the
-            # same order faster; the emulator's may not be (``_BY_PRIO_ARRIVAL``)
+            # same order faster; the emulator's may not be (``_by_prio_arrival``)
             if arrived_by is None:
                 group.sort(key=_BY_PRIO)
             else:
-                group.sort(key=_BY_PRIO_ARRIVAL)
+                group.sort(key=_by_prio_arrival)
                 if any(a.seq > b.seq and a.prio == b.prio for a, b in zip(group, group[1:])):
                     self.order_swaps += 1
         if len(group) <= self.max_tokens and max(map(_ARRIVAL, group)) <= limit:
@@ -441,7 +452,7 @@ class StepScheduler:
             del self.queue[key]
         if self.scope == "layer":
             if rest:
-                self._head[key] = min((j.prio, j.arrival, j.seq) for j in rest)
+                self._head[key] = min((j.prio, instant_key(j.arrival), j.seq) for j in rest)
             else:
                 del self._head[key]
         dur, nrep, loads, experts = self._cost(taken, now)

@@ -90,3 +90,15 @@ def test_submitted_in_arrival_order_the_simulators_and_the_emulators_take_agree(
         if path == "emu":
             assert sc.order_swaps == 0  # submitted in arrival order: nothing to reorder
     assert steps[0] == steps[1]
+
+
+def test_arrivals_a_float_error_apart_are_one_instant_and_keep_submission_order():
+    """The emulator's model times come back from wall stamps: two jobs the simulator receives
+    at one instant may read 1e-18 s apart, the later-submitted one first."""
+    sc = _sched()
+    sc.submit(_job(2, DENSE, "first", 0.01 + 2e-18))
+    sc.submit(_job(2, DENSE, "second", 0.01))
+    sc.submit(_job(3, 1, "other layer", 0.01 - 1e-18))
+    step = sc.take(0.02, arrived_by=0.02)
+    assert step.layer == 2 and [j.token for j in step.jobs] == ["first", "second"]
+    assert sc.order_swaps == 0

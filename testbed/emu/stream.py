@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..steps import DENSE, Job, Step, StepScheduler
+from ..steps import DENSE, Job, Step, StepScheduler, instant_key
 
 Kernel = Callable[[int, torch.Tensor], torch.Tensor]  # (replica, [B, d]) -> [B, d]
 
@@ -100,7 +100,7 @@ class ModeledStream:
                 #: the running step's model start, group key and first job's (prio, arrival) (``missed``)
         self._step_start = -1.0
         self._step_key = None
-        self._step_order = (float("inf"), float("inf"))
+        self._step_order: tuple[float, float] = (float("inf"), float("inf"))
 
     @property
     def busy(self) -> bool:
@@ -118,7 +118,7 @@ class ModeledStream:
         layer = sc.scope == "layer"
         if sc.busy and job.arrival <= self._step_start + 1e-9 and (
                 self._step_key == (job.layer if layer else job.replica)
-                or (layer and (job.prio, job.arrival) < self._step_order)):
+                or (layer and (job.prio, instant_key(job.arrival)) < self._step_order)):
             self.stats.missed_late.append(time.monotonic() - self.wall(self._step_start))
         self.sched.submit(job)
         if self.sched.scope == "replica":  # the paper's world starts at once, as before
@@ -153,7 +153,7 @@ class ModeledStream:
         self._step_start = start
         self._step_key = step.layer if sc.scope == "layer" else step.jobs[0].replica
         # (a layer's step is in request order, then arrival order: ``take``)
-        self._step_order = (step.jobs[0].prio, step.jobs[0].arrival)
+        self._step_order = (step.jobs[0].prio, instant_key(step.jobs[0].arrival))
         groups: dict[int, list[Job]] = {}
         for j in step.jobs:
             if j.replica != DENSE:
