@@ -100,17 +100,22 @@ def first_fork(run_a: Path = typer.Argument(..., help="a finished run folder (e.
 def seed_scatter(sweep: Path = typer.Argument(..., help="an emulated sweep's folder, e.g. "
                                              "results/fig9/emu-quick"),
                  agree: Path = typer.Argument(..., help="where agree-sweep --sim-band put its "
-                                              "twins (its --out)")) -> None:
+                                              "twins (its --out)"),
+                 per_seed: bool = typer.Option(False, help="also print each seed's ratios, one "
+                                               "line per seed and metric (to pair two sweeps "
+                                               "of the same seeds)")) -> None:
     """Each seed's emulated ratio against its exact simulated twin, beside each jittered
     twin's: their range, rms and how many stray past the tolerance, and the emulator's rms
     over the jittered simulator's with a bootstrap interval over the seeds."""
-    from .seed_scatter import format_scatter, sweep_scatter
+    from .seed_scatter import format_per_seed, format_scatter, sweep_scatter
     try:
         points = sweep_scatter(sweep, agree)
     except (ValueError, OSError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     typer.echo(format_scatter(points))
+    if per_seed:
+        typer.echo(format_per_seed(points))
 
 
 @app.command("arrivals")

@@ -167,3 +167,15 @@ def format_scatter(points: list[PointScatter]) -> str:
                          f"with every earlier instant alike); start difference "
                          f"before it p99 {np.nanmedian(f[:, 1]):.1f} us (median over the seeds)")
     return "\n".join(lines)
+
+
+def format_per_seed(points: list[PointScatter]) -> str:
+    """``point seed metric side=ratio ...`` per seed: the rows ``format_scatter`` summarises."""
+    lines = []
+    for p in points:
+        for metric in METRICS:
+            for i, seed in enumerate(p.seeds):
+                vals = " ".join(f"{'emu' if side == 'emu' else side}={spreads[metric].ratios[i]:.4f}"
+                                for side, spreads in p.sides.items())
+                lines.append(f"{p.point} seed={seed} {metric} {vals}")
+    return "\n".join(lines)

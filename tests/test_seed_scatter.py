@@ -69,8 +69,9 @@ def test_an_emulator_exact_to_the_simulator_does_not_scatter_and_bad_folders_are
     assert p.forks["emu"][0, 2] == 0  # (nothing parted, so no decision fork either)
     assert p.forks["1e-05"][0, 1] > 0  # the jittered twin's starts moved
     cli = subprocess.run([sys.executable, "-m", "analysis", "seed-scatter", str(tmp_path / "sweep"),
-                          str(agree)], capture_output=True, text=True)
+                          str(agree), "--per-seed"], capture_output=True, text=True)
     assert cli.returncode == 0 and "rms 0.000" in cli.stdout
+    assert "seed=0 mean emu=1.0000" in cli.stdout and "seed=1 " not in cli.stdout
     bad = subprocess.run([sys.executable, "-m", "analysis", "seed-scatter", str(tmp_path / "sweep"),
                           str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and "has a folder under" in bad.stderr
