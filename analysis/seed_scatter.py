@@ -175,7 +175,7 @@ def format_per_seed(points: list[PointScatter]) -> str:
     for p in points:
         for metric in METRICS:
             for i, seed in enumerate(p.seeds):
-                vals = " ".join(f"{'emu' if side == 'emu' else side}={spreads[metric].ratios[i]:.4f}"
+                vals = " ".join(f"{side}={spreads[metric].ratios[i]:.4f}"
                                 for side, spreads in p.sides.items())
                 lines.append(f"{p.point} seed={seed} {metric} {vals}")
     return "\n".join(lines)

@@ -259,7 +259,7 @@ class StepScheduler:
         self._positions: dict[int, int] = {}  # layer -> positions its queued dense jobs attend
         self._layer_cost: dict[int, float] = {}  # layer -> estimated stream time
         #: layer -> (prio, arrival on the ``instant_key`` grid, seq) of its first job
-        self._head: dict[int, tuple[float, float, int]] = {}
+        self._head: dict[int, tuple[float, int, int]] = {}
         #: fused: layer -> precision -> queued replicas of it (the launches they share)
         self._prec_reps: dict[int, dict[Precision, int]] = {}
         self._expert_steps: dict[Precision, list[float]] = {}  # see ``_extend_steps``
@@ -299,8 +299,10 @@ class StepScheduler:
         else:
             group.append(job)
         head = self._head.get(layer)
-        if head is None or prio < head[0] or (prio == head[0] and instant_key(job.arrival) < head[1]):
-            self._head[layer] = (prio, instant_key(job.arrival), seq)  # (a tie keeps the older seq)
+        if head is None or prio <= head[0]:  # (a tie on prio and instant keeps the older seq)
+            at = instant_key(job.arrival)
+            if head is None or prio < head[0] or at < head[1]:
+                self._head[layer] = (prio, at, seq)
         pend = self._pending.get(layer)
         if pend is None:
             pend = self._pending[layer] = {}

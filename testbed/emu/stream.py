@@ -14,9 +14,10 @@ A job whose modeled arrival is before a step's start but whose frame the host
 delivered after that step had started (a sender's loop running behind) waits
 for the next step, where the simulator runs it in that one, or (an older
 request's job of another layer) serves its own layer first; such jobs are
-counted (``missed``, flagged above 1% of a worker's jobs). So is one of the same request that
-arrived before the step's first job (steps.py orders a request's jobs by arrival). Measured on asym5's
-overloaded Prism at T = 32, none did (README, "Emulator against simulator").
+counted (``missed``, flagged above 1% of a worker's jobs), and so is one of the same
+request that arrived before the step's first job (steps.py orders a request's jobs by
+arrival). Measured on asym5's overloaded Prism at T = 32, none did (README, "Emulator
+against simulator").
 
 It runs in the worker's event loop: no thread hand-off, so a release costs a
 timer callback, not a context switch and the GIL.
@@ -97,10 +98,11 @@ class ModeledStream:
         self._soon = False
         #: while a step's jobs are released: the model time it ended (``on_done`` reads it)
         self.released_at: float | None = None
-                #: the running step's model start, group key and first job's (prio, arrival) (``missed``)
+        #: the running step's model start, group key and first job's (prio, arrival instant)
+        #: (``missed``)
         self._step_start = -1.0
         self._step_key = None
-        self._step_order: tuple[float, float] = (float("inf"), float("inf"))
+        self._step_order: tuple[float, float] = (float("inf"), float("inf"))  # (prio, instant)
 
     @property
     def busy(self) -> bool:
