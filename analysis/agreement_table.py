@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from testbed.agreement import SeedInterval, checked_ratios, ratio
+from testbed.agreement import SeedInterval, checked_ratios, ratio, span_text
 
 HEADER = ("| router | req/s | T | cut at (s) | finished (of measured) | mean ms | ratio | P99 ms "
           "| ratio | token-layers done by the cut | ratio | within | within the ensemble "
@@ -52,7 +52,7 @@ def _seeds(c: dict) -> str:
     ci = SeedInterval(d["seeds"], tuple(d["mean"]), tuple(d["work"]),
                       tuple(p99) if p99 is not None else None)
     parts = ci.judged(c["requests"], c["cut"], c["kind"])
-    return "; ".join(f"{name} {lo:.3f}-{hi:.3f} ({v})" for name, (lo, hi), v in parts) or "-"
+    return "; ".join(f"{name} {span_text(span)} ({v})" for name, span, v in parts) or "-"
 
 
 def row(point: dict) -> str:

@@ -176,8 +176,8 @@ class SeedInterval:
     def verdict(self, tol: float, metric: str) -> str:
         lo, hi = {"mean": self.mean, "work": self.work, "P99": self.p99}[metric] or (
             float("nan"), float("nan"))
-        if lo != lo or hi != hi:
-            return "no interval"
+        if lo != lo or hi != hi:  # see span in seed_interval
+            return "no interval: too few seeds finish a measured request"
         if 1 - tol <= lo and hi <= 1 + tol:
             return "agrees"
         if hi < 1 - tol or lo > 1 + tol:
@@ -630,6 +630,14 @@ def ratio(a: float, b: float) -> float:
     return a / b if b and b == b else float("nan")
 
 
+def span_text(span: tuple[float, float]) -> str:
+    """An interval as ``lo-hi``, ``-`` where it has no bounds (its verdict says why)."""
+    lo, hi = span
+    if lo != lo or hi != hi:
+        return "-"
+    return f"{lo:.3f}-{hi:.3f}"
+
+
 def seed_interval_line(c: Comparison) -> str:
     """The seeds' bootstrap interval of the ratios the check reads, and what it decides."""
     ci = c.seed_ci
@@ -637,8 +645,8 @@ def seed_interval_line(c: Comparison) -> str:
     if not parts:
         return f"over the {ci.seeds} seeds: no ratio to bound"
     return (f"over the {ci.seeds} seeds (bootstrap, 95%): " + "; ".join(
-        f"{'token-layers' if name == 'work' else name} {lo:.3f}-{hi:.3f}, {verdict}"
-        for name, (lo, hi), verdict in parts))
+        f"{'token-layers' if name == 'work' else name} {span_text(span)}, {verdict}"
+        for name, span, verdict in parts))
 
 
 def seed_spread(per_seed: list[tuple[int, float, float, int, int]], cut: bool) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .agreement import (SIM_TWIN, TOL, TOL_WORK, SeedInterval, band_error, measure_cut, pool_seeds,
-                        ratio, seed_interval)
+                        ratio, seed_interval, span_text)
 from .records import read_records
 from .runner import is_done, run_experiment
 from .spec import ExperimentSpec
@@ -103,8 +103,8 @@ def format_null(rows: list[NullRow], jitter_s: float, cut_s: float | None) -> st
              f" ({'cut at ' + format(cut_s, '.2f') + ' s' if cut_s is not None else 'not cut'}),"
              " the seeds pooled; a faithful emulator's reading at this point:"]
     for r in rows:
-        parts = "; ".join(f"{'token-layers' if m == 'work' else m} {v:.3f} ({lo:.3f}-{hi:.3f}), {verdict}"
-                          for m, v, (lo, hi), verdict in r.judged())
+        parts = "; ".join(f"{'token-layers' if m == 'work' else m} {v:.3f} ({span_text(span)}), "
+                          f"{verdict}" for m, v, span, verdict in r.judged())
         lines.append(f"seeds={r.seeds:<3d} {parts or 'no metric to bound'}")
     first = next((r.seeds for r in rows if r.decided), None)
     lines.append(f"tolerances: mean {TOL['emu/sim'][0]:.0%}, P99 {TOL['emu/sim'][1]:.0%}, "
