@@ -34,6 +34,12 @@ def run_row(detail: dict) -> dict:
         vals = [w[key] for w in workers if w.get(key) is not None]
         return float(max(vals)) / T if vals else float("nan")
 
+    def worst_at(key: str) -> float:
+        # model ms since the start at which the largest of every worker's worst samples
+        # (``worst_*``: [wall ms late, model ms] each) fell; NaN for runs written before
+        samples = [s for w in workers for s in w.get(key) or []]
+        return float(max(samples)[1]) if samples else float("nan")
+
     return {
         "T": T, "delay_mechanism": detail.get("delay_mechanism"),
         "wall_s": detail.get("wall_s"), "emulated_s": detail.get("emulated_s"),
@@ -42,6 +48,8 @@ def run_row(detail: dict) -> dict:
         "drops": int(sum(l.get("drops") or 0 for l in links)),
         "release_late_p99_emu_ms": worst("release_late_p99_ms"),
         "release_late_max_emu_ms": worst("release_late_max_ms"),
+        "release_late_max_at_ms": worst_at("worst_release_late"),
+        "write_late_max_at_ms": worst_at("worst_write_late"),
         "delivery_late_mean_emu_ms": worst("delivery_late_mean_ms"),
         "late_release_share": (sum(w.get("late_over_tolerance", 0) for w in workers) / batches
                                if batches else float("nan")),

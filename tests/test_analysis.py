@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -151,9 +152,11 @@ def _fidelity_detail(T: float, *, late_p99_ms: float, drops: int = 0, tc_rate: i
                       {"rate_bit": 2_000_000, "tc_rate_bit": 2_000_000, "drops": 0}],
             "workers": [{"rank": 0, "batches": 10, "late_over_tolerance": 5, "release_late_p99_ms": late_p99_ms,
                          "release_late_max_ms": 2 * late_p99_ms, "delivery_late_mean_ms": 1.0,
+                         "worst_release_late": [[2 * late_p99_ms, 310.5], [0.5, 20.0]],
                          "wire_errors": 0, "kernel_errors": 0},
                         {"rank": 1, "batches": 10, "late_over_tolerance": 0, "release_late_p99_ms": 0.1,
                          "release_late_max_ms": 0.2, "delivery_late_mean_ms": 0.5,
+                         "worst_release_late": [[0.2, 99.0]],
                          "wire_errors": 0, "kernel_errors": 0}]}
 
 
@@ -175,6 +178,9 @@ def test_fidelity_table_converts_lateness_to_emulated_time_and_names_every_probl
     table = fidelity_table(data)
     assert list(table["release_late_p99_emu_ms"]) == [2.0, 1.0]  # worst worker, wall ms / T
     assert list(table["late_release_share"]) == [0.25, 0.25]
+    # when the worst stall fell (model ms), over every worker; runs written before have none
+    assert list(table["release_late_max_at_ms"]) == [310.5, 310.5]
+    assert np.isnan(table["write_late_max_at_ms"]).all()
     s = summarise(table)
     assert s["runs"] == 2 and s["problems"] == [] and s["drops"] == 0
     assert s["release_late_p99_emu_ms_max"] == 2.0 and s["T_min"] == 32 and s["T_max"] == 64

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from ..steps import DENSE, Job, Step, StepScheduler, instant_key
+from .worst import Worst
 
 Kernel = Callable[[int, torch.Tensor], torch.Tensor]  # (replica, [B, d]) -> [B, d]
 
@@ -55,6 +56,7 @@ class StreamStats:
     jobs: int = 0
     kernel_errors: int = 0
     late: list[float] = field(default_factory=list)  # release lateness per step, wall s
+    worst_late: Worst = field(default_factory=Worst)  # the largest of them, with their instants
     service: list[tuple[float, float]] = field(default_factory=list)  # (modeled, realised) model s
     #: (modeled step model s, wall s the step's real kernels took): how much of the padding
     #: T x modeled the worker's own compute uses (on CUDA with full-size experts, measured
@@ -190,6 +192,7 @@ class ModeledStream:
     def _finish(self, jobs: list[Job], start: float, end: float, model: float) -> None:
         now = time.monotonic()
         self.stats.late.append(now - self.wall(end))
+        self.stats.worst_late.add(now - self.wall(end), now)
         self.stats.service.append((model, (now - self.wall(start)) / self.T))
         self.sched.finish()
         self.released_at = end

@@ -92,6 +92,7 @@ from typing import Callable, Iterator
 from .wire import (DEFAULT_MAX_PAYLOAD, MAX_HOLD_S, NONCE_BYTES, STAMPED_MESSAGES, TENSOR_MESSAGES, Auth, Challenge,
                    Frame, FrameDecoder, Pong, WireError, auth_mac, due_end_field, encode_header,
                    write_late_field)
+from .worst import Worst
 
 OnFrame = Callable[[Frame, float], None]  # (frame, arrival monotonic time)
 
@@ -386,6 +387,7 @@ class Transport:
         self.late_deliveries = 0.0  # summed lateness of delayed deliveries (s)
         #: how late (s) each data frame this worker sent with a due time left its link
         self.late_written: list[float] = []
+        self.worst_written = Worst()  # the largest write lateness, with their instants
         #: summed over them: that lateness less the frame's write lateness (what 885b7ee
         #: stamped): negative where the model's link was still busy, positive where the real
         #: one carried an earlier frame's lateness
@@ -404,6 +406,7 @@ class Transport:
         #: the others, per frame: wall s after the model's instant that the line hands it on
         #: (its bytes came late beyond what its stamp absorbed)
         self.after_model: list[float] = []
+        self.worst_after_model = Worst()
         #: corked writes, in order: (dst, bytes, due, modeled, head, fields' (offset, struct))
         self._stamps: list[tuple] = []
         self._corked = 0  # depth of ``corked`` blocks
@@ -549,6 +552,7 @@ class Transport:
     def _late(self, now: float, due: float) -> float:
         late = min(MAX_HOLD_S, max(0.0, now - due))
         self.late_written.append(late)
+        self.worst_written.add(late, now)
         return late
 
     def send(self, dst: int, frame: Frame, due: float | None = None, modeled: bool = True) -> bool:
@@ -611,6 +615,7 @@ class Transport:
             due = floor
         elif floor:  # handed on after the model's instant: how much (wall s)
             self.after_model.append(due - floor)
+            self.worst_after_model.add(due - floor, due)
         queue = self._due_queue.get(src)
         if due <= arrival and not queue:
             self.on_frame(frame, arrival)

@@ -267,6 +267,13 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "release_late_p50_ms": float(np.percentile(late, 50) * 1e3),
                 "release_late_p99_ms": float(np.percentile(late, 99) * 1e3),
                 "release_late_max_ms": float(late.max() * 1e3),
+                # the largest lateness of each kind, [wall ms, model ms since the start] each:
+                # when in the run this worker's loop stalled
+                # (no samples, and no start, where the run failed before START)
+                "worst_release_late": st.worst_late.report(getattr(self, "t0", 0.0), self.T),
+                "worst_write_late": self.net.worst_written.report(getattr(self, "t0", 0.0), self.T),
+                "worst_after_model": self.net.worst_after_model.report(getattr(self, "t0", 0.0),
+                                                                       self.T),
                 "late_over_tolerance": int((late > RELEASE_LATE_REL * np.maximum(svc[:, 0] * self.T, 1e-4)).sum()),
                 "service_ratio_p50": float(np.median(rel)), "service_ratio_p99": float(np.percentile(rel, 99)),
                 "kernel_wall_ms_p50": float(np.median(kern[:, 1]) * 1e3),
