@@ -191,8 +191,9 @@ class ModeledStream:
 
     def _finish(self, jobs: list[Job], start: float, end: float, model: float) -> None:
         now = time.monotonic()
-        self.stats.late.append(now - self.wall(end))
-        self.stats.worst_late.add(now - self.wall(end), now)
+        late = now - self.wall(end)
+        self.stats.late.append(late)
+        self.stats.worst_late.add(late, now)
         self.stats.service.append((model, (now - self.wall(start)) / self.T))
         self.sched.finish()
         self.released_at = end

@@ -253,6 +253,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         if self.inrun is not None:
             self.inrun.close()
         st = self.stream.stats
+        t0 = getattr(self, "t0", 0.0)  # none where the run failed before START (nor samples)
         late = np.array(st.late) if st.late else np.zeros(1)
         svc = np.array(st.service) if st.service else np.zeros((1, 2))
         rel = svc[:, 1] / np.maximum(svc[:, 0], 1e-12)
@@ -269,11 +270,9 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "release_late_max_ms": float(late.max() * 1e3),
                 # the largest lateness of each kind, [wall ms, model ms since the start] each:
                 # when in the run this worker's loop stalled
-                # (no samples, and no start, where the run failed before START)
-                "worst_release_late": st.worst_late.report(getattr(self, "t0", 0.0), self.T),
-                "worst_write_late": self.net.worst_written.report(getattr(self, "t0", 0.0), self.T),
-                "worst_after_model": self.net.worst_after_model.report(getattr(self, "t0", 0.0),
-                                                                       self.T),
+                **{f"worst_{name}": w.report(t0, self.T) for name, w in (
+                    ("release_late", st.worst_late), ("write_late", self.net.worst_written),
+                    ("after_model", self.net.worst_after_model))},
                 "late_over_tolerance": int((late > RELEASE_LATE_REL * np.maximum(svc[:, 0] * self.T, 1e-4)).sum()),
                 "service_ratio_p50": float(np.median(rel)), "service_ratio_p99": float(np.percentile(rel, 99)),
                 "kernel_wall_ms_p50": float(np.median(kern[:, 1]) * 1e3),
