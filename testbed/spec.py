@@ -250,6 +250,12 @@ class NetSpec(_Model):
         "the last byte left begins a new burst with the grown window and nothing in flight; "
         "'segments': the ACK clock segment by segment (a message just after a burst finds its "
         "last flight still unacknowledged)")
+    #: 2 since 2026-12-06: the link model had charged no ACKs, and tc counted 8.3% more
+    #: bytes than the emulator's workers wrote (README, "ACKs on the reverse link")
+    ack_every: int = Field(2, ge=0, le=64, description="segments of data per pure ACK on "
+                           "the reverse link (testbed/acks.py; RFC 5681's delayed ACK: 2); "
+                           "0: ACKs take no link time (the rule before 2026-12-06). "
+                           "Hardware physics only")
     #: ``links`` is the physical rule and the default; ``instant`` is the paper's omniscient
     #: one, kept to measure what it changes (README, "What servers know of each other travels")
     control: Literal["links", "instant"] = Field(
@@ -364,6 +370,16 @@ class ExperimentSpec(_Model):
         """Whether messages wait for TCP's window (``net.transport: tcp``, hardware world
         only: the paper's links are ideal), in either backend."""
         return self.physics == "hardware" and self.net.transport == "tcp"
+
+    @property
+    def ack_bytes_per_byte(self) -> float:
+        """ACK bytes the reverse link carries per byte of data (``net.ack_every``; the
+        hardware world only: the paper's links are ideal)."""
+        from .acks import ack_bytes_per_byte
+
+        if self.physics != "hardware":
+            return 0.0
+        return ack_bytes_per_byte(self.net.mss_bytes, self.net.ack_every)
 
     @property
     def control_over_links(self) -> bool:

@@ -60,6 +60,10 @@ FUSED = "3d7a345586b5af2fbc3c4767f0ae24c7df9c231f24fa7eb871e673275ca94eae"
 #: (``segments``, the default since): a message just after a burst finds its last flight
 #: still in flight, and slow start grows by the round's latch.
 SEGMENTS = "03b14106891591f1800ad1558b53ec0220631a19f84f9b979e898dee811a7d0d"
+#: All of the above charge no link time for ACKs (``net.ack_every: 0``, the rule until
+#: 2026-12-06); ``ACKS`` is ``SEGMENTS`` with a 66-byte ACK per two segments on the reverse
+#: link (``ack_every: 2``, the default since, testbed/acks.py).
+ACKS = "f06034e7cfa3066c3c1d9f4abb3ced82b0028d681d1e11094f5c2dc830e6e5da"
 
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
         "engine": {"decision_s": 0, "dispatch": "token", "moe_kernels": "per_expert"},
@@ -81,7 +85,8 @@ def digest(*frames: pd.DataFrame) -> str:
 
 def run_digests(drop: list[str] | None = None, dispatch: str = "token",
                 transport: str = "ideal", control: str = "instant",
-                moe_kernels: str = "per_expert", tcp_model: str = "bursts") -> dict[str, str]:
+                moe_kernels: str = "per_expert", tcp_model: str = "bursts",
+                ack_every: int = 0) -> dict[str, str]:
     """Both physics on one placement (the world's physics does not enter the placement);
     ``drop``: request-table columns left out of the digest."""
     base = build_setup(parse_spec({**SPEC, "physics": "hardware"}))
@@ -89,7 +94,8 @@ def run_digests(drop: list[str] | None = None, dispatch: str = "token",
     for physics in ("hardware", "paper"):
         _, tl, rq = run_records(base, {
             "physics": physics, "engine.dispatch": dispatch, "net.transport": transport,
-            "net.control": control, "engine.moe_kernels": moe_kernels, "net.tcp_model": tcp_model})
+            "net.control": control, "engine.moe_kernels": moe_kernels, "net.tcp_model": tcp_model,
+            "net.ack_every": ack_every})
         assert len(tl) > 0 and len(rq) > 0
         out[physics] = digest(tl, rq.drop(columns=drop or []))
     return out
@@ -146,6 +152,14 @@ def test_the_ack_clock_changes_the_hardware_world_only():
     assert got["hardware"] == SEGMENTS, f"the ACK clock's records changed: {got['hardware']}"
 
 
+def test_acks_on_the_reverse_link_change_the_hardware_world_only():
+    got = run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused",
+                      tcp_model="segments", ack_every=2)
+    assert got["paper"] == GOLDEN["paper"], "the paper's links carry no ACKs"
+    assert got["hardware"] != SEGMENTS, "no message here queued behind its reverse link's ACKs"
+    assert got["hardware"] == ACKS, f"the records with ACKs changed: {got['hardware']}"
+
+
 def test_a_window_that_never_binds_leaves_the_records_of_ideal_links():
     """Under either TCP model, an initial window larger than any flight (``init_cwnd``
     100,000 segments) waits for nothing, so the records equal ``ideal``'s bit for bit."""
@@ -155,7 +169,8 @@ def test_a_window_that_never_binds_leaves_the_records_of_ideal_links():
                        ("bursts", {"net.tcp_model": "bursts", "net.init_cwnd": 100_000}),
                        ("segments", {"net.tcp_model": "segments", "net.init_cwnd": 100_000})):
         st, tl, rq = run_records(base, {"engine.dispatch": "step", "net.control": "links",
-                                        "engine.moe_kernels": "fused", **over})
+                                        "engine.moe_kernels": "fused", "net.ack_every": 0,
+                                        **over})
         assert st.tcp_waits == 0, name
         got[name] = digest(tl, rq)
     assert got["bursts"] == got["ideal"] and got["segments"] == got["ideal"]
@@ -189,4 +204,6 @@ if __name__ == "__main__":  # pragma: no cover - prints the digests to record
           run_digests(dispatch="step", transport="tcp", control="links",
                       moe_kernels="fused")["hardware"],
           run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused",
-                      tcp_model="segments")["hardware"])
+                      tcp_model="segments")["hardware"],
+          run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused",
+                      tcp_model="segments", ack_every=2)["hardware"])

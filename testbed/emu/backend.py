@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ..progress import RequestProgress
 from ..records import RecordWriter, read_records
 from ..setup import RunSetup, save_deployment
+from ..tcp import MSS_BYTES
 from .dilation import choose_dilation
 from .hosts import EmulatedNetwork
 from .hosts.names import WORKER_MARK
@@ -113,6 +114,8 @@ class EmuBackend:
         stats.update(self._reconcile())
         stats["workers"] = [json.loads(f.read_text()) for f in sorted(wdir.glob("w*.json"))
                             if not f.name.endswith("config.json")]
+        if isinstance(stats.get("links"), list):
+            stats["wire"] = wire_accounting(stats["links"], stats["workers"])
         for key in ("tcp_waits", "tcp_wait_s", "handler_errors"):  # summed over workers
             stats[key] = sum(w.get(key, 0) for w in stats["workers"])
         fid = fidelity_summary(stats)
@@ -231,8 +234,38 @@ def _link_table(net: EmulatedNetwork) -> list[dict]:
         cls = got.get("1:1", {})
         rows.append({"src": m, "dst": n, "intf": end.intf, "rate_bit": end.rate_bit,
                      "tc_rate_bit": cls.get("rate_bit"), "bytes": cls.get("bytes", 0),
-                     "drops": cls.get("dropped", 0), "delay_s": end.delay_s})
+                     "packets": cls.get("packets", 0), "drops": cls.get("dropped", 0), "delay_s": end.delay_s})
     return rows
+
+
+def wire_accounting(links: list[dict], workers: list[dict]) -> dict:
+    """What each link carried beyond the frames written to it: tc's link-layer bytes and
+    packets of a direction against what its sender wrote there. Every packet carries its
+    Ethernet, IP and TCP headers (66 bytes with timestamps); a direction's packets are its
+    data segments and the pure ACKs of the opposite direction's data. Sets on each row
+    ``bytes_written``, ``writes`` (system calls), ``segments`` (their full and short
+    segments) and ``wire_ratio``, ``other_packets`` (packets beyond those segments: ACKs,
+    and writes split further); returns the run's totals."""
+    per = {(w["rank"], int(d)): (b, w.get("writes_to", {}).get(d, 0), w.get("segments_to", {}).get(d, 0))
+           for w in workers for d, b in w.get("bytes_sent_to", {}).items()}
+    keys = ("tc_bytes", "bytes_written", "packets", "writes", "segments", "other_packets")
+    tot = dict.fromkeys(keys, 0)
+    for row in links:
+        got = per.get((row["src"], row["dst"]))
+        if got is None:
+            continue
+        b, writes, segs = got
+        row.update(bytes_written=b, writes=writes, segments=segs,
+                   other_packets=row.get("packets", 0) - segs,
+                   wire_ratio=round(row["bytes"] / b, 4) if b else None)
+        for k, v in zip(keys, (row["bytes"], b, row.get("packets", 0), writes, segs,
+                               row["other_packets"])):
+            tot[k] += v
+    if tot["bytes_written"]:
+        tot["wire_ratio"] = round(tot["tc_bytes"] / tot["bytes_written"], 4)
+        tot["header_bytes_per_packet"] = round(
+            (tot["tc_bytes"] - tot["bytes_written"]) / max(1, tot["packets"]), 2)
+    return tot
 
 
 def fidelity_summary(stats: dict) -> dict:

@@ -92,6 +92,8 @@ from typing import Callable, Iterator
 from .wire import (DEFAULT_MAX_PAYLOAD, MAX_HOLD_S, NONCE_BYTES, STAMPED_MESSAGES, TENSOR_MESSAGES, Auth, Challenge,
                    Frame, FrameDecoder, Pong, WireError, auth_mac, due_end_field, encode_header,
                    write_late_field)
+from ..acks import AckLine
+from ..tcp import MSS_BYTES
 from .worst import Worst
 
 OnFrame = Callable[[Frame, float], None]  # (frame, arrival monotonic time)
@@ -337,7 +339,7 @@ class Transport:
                  hold_scale: float = 0.0, absorb_late: bool = True,
                  link_s_per_byte: dict[int, float] | None = None,
                  kernel_stamps: bool = True, socket_buffer: int = 0,
-                 control_bytes: int = 64,
+                 control_bytes: int = 64, ack_s_per_frame: dict[int, float] | None = None,
                  on_heard: Callable[[int, float], None] | None = None) -> None:
         if len(secret) < 16:
             raise ValueError("the run secret must have at least 16 bytes")
@@ -368,6 +370,10 @@ class Transport:
         self.link_s_per_byte = link_s_per_byte or {}
         #: per destination, when the model's link and the real one are next free (wall s)
         self._model_free: dict[int, float] = {}
+        #: ``net.ack_every``: wall seconds of ACKs the model's link to a peer carries per data
+        #: frame received from it, and the ACK blocks waiting to take it (testbed/acks.py)
+        self.ack_s_per_frame = ack_s_per_frame or {}
+        self._acks: dict[int, AckLine] = {p: AckLine() for p in self.ack_s_per_frame}
         self._real_free: dict[int, float] = {}
         self.on_frame, self._on_peer_lost, self.log = on_frame, on_peer_lost, log
         #: ``on_heard(src, arrival)`` for every frame as its bytes arrive, before the delay
@@ -381,6 +387,11 @@ class Transport:
         self.auth_failures = 0  # connections refused before they proved a rank
         self.spoofed_frames = 0  # frames a proven peer sent in another's name (dropped)
         self.sent_bytes = 0
+        #: bytes written per destination (head, payload, padding), against which the link
+        #: table sets what tc counted on that link (``wire_ratio``: headers, ACKs)
+        self.sent_bytes_to: dict[int, int] = {p: 0 for p in peers}
+        self.writes_to: dict[int, int] = {p: 0 for p in peers}  # system calls per destination
+        self.segments_to: dict[int, int] = {p: 0 for p in peers}  # their full and short segments
         self.sent_frames: dict[int, int] = {p: 0 for p in peers}  # per destination
         self.received_frames: dict[int, int] = {p: 0 for p in peers}  # per proven source
         self.frames_in = 0
@@ -473,8 +484,16 @@ class Transport:
         if self._corked:
             self._pending.setdefault(tr, []).extend(parts)
         else:
+            self._count_write(dst, nbytes)
             tr.write(b"".join(parts))
         return nbytes
+
+    def _count_write(self, dst: int, nbytes: int) -> None:
+        """A system call's bytes to ``dst``: its segments, had it left alone on an idle
+        connection (what the link table sets against tc's packets, ``wire_accounting``)."""
+        if dst >= 0:
+            self.writes_to[dst] = self.writes_to.get(dst, 0) + 1
+            self.segments_to[dst] = self.segments_to.get(dst, 0) + -(-nbytes // MSS_BYTES)
 
     def _depart(self, now: float, dst: int, nbytes: int, due: float | None, modeled: bool,
                 head, off, model_bytes: int | None = None) -> None:
@@ -500,6 +519,9 @@ class Transport:
             tx = model_bytes * spb
         if spb:
             mfree = self._model_free.get(dst, 0.0)
+            acks = self._acks.get(dst)
+            if acks is not None and acks.q:  # the peer's data's ACKs sent by then
+                mfree = self._model_free[dst] = acks.absorb(mfree, model)
             if mfree > model:
                 model = mfree
             if modeled:
@@ -543,7 +565,10 @@ class Transport:
             for st in by_dst.pop(dst, ()):
                 self._depart(now, *st)
             if not tr.is_closing():
-                tr.write(b"".join(parts))
+                data = b"".join(parts)
+                if dst is not None:
+                    self._count_write(dst, len(data))
+                tr.write(data)
         now = time.monotonic()
         for rest in by_dst.values():  # a closed connection's: counted as the others
             for st in rest:
@@ -566,7 +591,9 @@ class Transport:
         tr = self.out.get(dst)
         if tr is None or dst in self.lost or tr.is_closing():
             return False
-        self.sent_bytes += self._write(tr, frame, dst, due, modeled)
+        nbytes = self._write(tr, frame, dst, due, modeled)
+        self.sent_bytes += nbytes
+        self.sent_bytes_to[dst] = self.sent_bytes_to.get(dst, 0) + nbytes
         self.sent_frames[dst] = self.sent_frames.get(dst, 0) + 1
         return True
 
@@ -607,6 +634,8 @@ class Transport:
         self.late_exposed += late - hidden
         # never before the model's instant: its link's end of sending it plus the delay
         floor = frame.msg.due_end_s + d if frame.msg.due_end_s > 0.0 else 0.0
+        if floor and isinstance(frame.msg, TENSOR_MESSAGES) and src in self._acks:
+            self._acks[src].add(floor, self.ack_s_per_frame[src])  # its ACKs, in the model
         d -= hidden
         due = arrival + max(0.0, d)
         if floor > due:

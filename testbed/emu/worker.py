@@ -162,6 +162,16 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         bw, eff = self.setup.cluster.bandwidth, self.spec.sim.payload_efficiency
         return {n: self.T / (bw[self.rank][n] * eff) for n in range(self.N) if n != self.rank}
 
+    def _ack_s_per_frame(self) -> dict[int, float]:
+        """Wall seconds the model's link to each peer carries in ACKs per data frame the
+        peer sends this worker (``net.ack_every``; the simulator's ``ack_s``, dilated)."""
+        per_byte = self.spec.ack_bytes_per_byte
+        if per_byte <= 0:
+            return {}
+        bw = self.setup.cluster.bandwidth
+        return {n: self.wire_bytes * per_byte * self.T / bw[self.rank][n]
+                for n in range(self.N) if n != self.rank}
+
     # -- start-up ------------------------------------------------------------------
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -198,7 +208,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                              link_s_per_byte=self._link_s_per_byte(),
                              kernel_stamps=self.spec.emu.arrivals == "kernel",
                              socket_buffer=self.spec.emu.socket_buffer_bytes,
-                             control_bytes=self.spec.sim.header_bytes, on_heard=self._heard)
+                             control_bytes=self.spec.sim.header_bytes,
+                             ack_s_per_frame=self._ack_s_per_frame(), on_heard=self._heard)
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up
@@ -302,6 +313,9 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                 "max_silence_windows": [round(g / (self.window * self.T), 3) for g in self.max_gap],
                 "wire_errors": self.net.wire_errors, "auth_failures": self.net.auth_failures,
                 "spoofed_frames": self.net.spoofed_frames, "bytes_sent": self.net.sent_bytes,
+                "bytes_sent_to": {str(d): b for d, b in self.net.sent_bytes_to.items()},
+                "writes_to": {str(d): b for d, b in self.net.writes_to.items()},
+                "segments_to": {str(d): b for d, b in self.net.segments_to.items()},
                 "delivery_late_mean_ms": self.net.late_deliveries / max(1, self.net.frames_in) * 1e3,
                 # wall ms per data frame: how late this worker's own left their links (and that
                 # less their write lateness), and how late the received ones left theirs, split

@@ -40,6 +40,7 @@ from tqdm import tqdm
 from hetroute.residency import Residency
 from hetroute.state import StateView, TokenView, Unroutable
 
+from ..acks import AckLine
 from ..collector import quiet_collector
 from ..core import Routed, TokenLayerCore, with_window
 from ..progress import FINISHED, RequestProgress
@@ -152,6 +153,12 @@ class SimBackend:
                    for m in range(N)]
         self.delay = [list(row) for row in cl.delay]
         self.link_free = [[0.0] * N for _ in range(N)]
+        #: ``net.ack_every``: seconds of pure ACKs link n->m carries per byte of data m sends
+        #: n (``ack_s[n][m]``), and the ACK blocks waiting to take each link (testbed/acks.py)
+        ack = spec.ack_bytes_per_byte
+        self.ack_s = ([[0.0 if m == n else ack / cl.bandwidth[n][m] for m in range(N)]
+                       for n in range(N)] if ack > 0 else None)
+        self.ack_lines = [[AckLine() for _ in range(N)] for _ in range(N)] if ack > 0 else None
         #: ``net.transport: tcp``: each directed pair's congestion window (testbed/tcp.py)
         self.tcp = (tcp_windows(spec.net.params(), cl.bandwidth, cl.delay, eff)
                     if spec.tcp_windows else None)
@@ -232,7 +239,9 @@ class SimBackend:
         (FIFO link), plus ``sim.hop_jitter_s``'s draw where it is set."""
         free = self.link_free[m]
         queued = free[n] > t
-        start = free[n] if queued else t
+        if self.ack_lines is not None and self.ack_lines[m][n].q:  # n's ACKs that left by t
+            free[n] = self.ack_lines[m][n].absorb(free[n], t)
+        start = free[n] if free[n] > t else t
         tx = self.tx[m][n] * count
         end = start + tx
         if self.tcp is not None:
@@ -243,6 +252,9 @@ class SimBackend:
                 self.stats.tcp_wait_s += wait
                 self.stats.tcp_waits += 1
         free[n] = end
+        if self.ack_s is not None:  # n acknowledges the message as it arrives
+            self.ack_lines[n][m].add(end + self.delay[m][n],
+                                     self.msg_wire * count * self.ack_s[n][m])
         if self.jitter is None:
             return end + self.delay[m][n]
         return end + self.delay[m][n] + self.jitter(self.jitter_rate)
@@ -254,6 +266,8 @@ class SimBackend:
         tens of bytes are under a microsecond of any link here), so the data's timing and
         its congestion window (``net.transport: tcp``) are those of the data alone."""
         free = self.link_free[m][n]
+        if self.ack_lines is not None and self.ack_lines[m][n].q:
+            free = self.link_free[m][n] = self.ack_lines[m][n].absorb(free, t)
         st = self.stats
         st.control_frames += 1
         if free > t:
