@@ -9,6 +9,7 @@ its burst check now does.
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -38,7 +39,7 @@ def test_the_kernels_own_tcp_window_is_kept_out_of_the_way() -> None:
     the window the workers model (``testbed/tcp.py``) is the only one. On asym5 the
     kernel's restarts added 1.8-4.8 emulated ms to early hops (README)."""
     from testbed.emu.hosts import EmulatedNetwork
-    from testbed.emu.hosts.topo import KERNEL_INIT_WINDOW
+    from testbed.emu.hosts.topo import KERNEL_INIT_WINDOW, RTO_MIN_S
     B = 5e6
     cl = types.SimpleNamespace(n=3, bandwidth=[[0, B, B], [B, 0, B], [B, B, 0]],
                                delay=[[0, 1e-3, 1e-3], [1e-3, 0, 1e-3], [1e-3, 1e-3, 0]],
@@ -50,3 +51,5 @@ def test_the_kernels_own_tcp_window_is_kept_out_of_the_way() -> None:
             assert len(routes) == cl.n - 1  # one /30 per link
             for r in routes:
                 assert f"initcwnd {KERNEL_INIT_WINDOW}" in r, r
+                # the receiver's quick-ACK idle and a loss's timeout, dilated: 200 ms x 32
+                assert re.search(rf"rto_min (lock )?{RTO_MIN_S * 32:g}s", r), r
