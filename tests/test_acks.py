@@ -96,19 +96,10 @@ def test_the_emulators_model_link_takes_the_acks_of_what_it_received():
     import torch
 
     from testbed.emu.transport import Transport, precise_loop
-    from testbed.emu.wire import FrameDecoder, Hidden, Pick, tensor_frame
+    from testbed.emu.wire import FrameDecoder, tensor_frame
+    from tests.test_emu_stream import _HIDDEN as m
+    from tests.test_emu_stream import _Wire as Wire
 
-    class Wire:
-        def __init__(self):
-            self.data = bytearray()
-
-        def write(self, b):
-            self.data += b
-
-        def is_closing(self):
-            return False
-
-    m = Hidden(0, 9, 1, 4, 1, 0, 1, 1, 1, 0.0, 0.0, 0.0, 0, 0, 0, (Pick(3, 5, 0),), ())
     spb, acks, delay = 1e-6, 0.004, 0.010
 
     def ends(offset_after_arrival: float) -> float:
