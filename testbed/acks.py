@@ -14,10 +14,10 @@ each message's bytes, so a message split over frames (the emulator) and one sent
 (the simulator) leave the same ACK bytes. Two is RFC 5681 Sec. 4.2's "at least every
 second full-sized segment" and RFC 1122 Sec. 4.2.3.2's delayed ACK, what a Linux receiver
 does in steady state. Left out: Linux's quick-ACK mode (an ACK per segment for up to 16
-segments after the connection idled for a retransmission timeout; on the emulator that
-timeout is wall time, so at T = 64 an idle of 3 emulated ms triggers it, which is why it
-ACKs more often than the model) and a receiver's GRO, which on a physical NIC coalesces
-segments and ACKs less often. The ACKs of a message leave the receiver when it has arrived
+segments after the connection idled for a retransmission timeout, 200 ms or more; the
+emulator dilates that timeout on its routes, ``testbed/emu/hosts/topo.py``), the short
+last segment's own ACK, control frames' ACKs, and a receiver's GRO, which on a physical
+NIC coalesces segments and ACKs less often. The ACKs of a message leave the receiver when it has arrived
 (its last byte plus the link's delay) as one block on the reverse link, which a message
 sent there later queues behind (``AckLine``); they do not delay data already queued.
 """

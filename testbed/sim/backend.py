@@ -236,7 +236,8 @@ class SimBackend:
 
     def send(self, m: int, n: int, t: float, count: int = 1) -> float:
         """Arrival time at n of ``count`` hidden states sent from m at t as one message
-        (FIFO link), plus ``sim.hop_jitter_s``'s draw where it is set."""
+        (FIFO link, behind the ACKs of n's data that left n by t), plus
+        ``sim.hop_jitter_s``'s draw where it is set; n's ACKs of it then wait to take n->m."""
         free = self.link_free[m]
         queued = free[n] > t
         if self.ack_lines is not None and self.ack_lines[m][n].q:  # n's ACKs that left by t
