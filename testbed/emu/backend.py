@@ -72,6 +72,7 @@ class EmuBackend:
         with EmulatedNetwork(cl, dilation=T, delay_mechanism=spec.emu.delay_mechanism,
                              cpu_fraction=cpu_fraction) as net:
             stats["delay_mechanism"] = net.mechanism
+            stats["congestion_control"] = net.congestion_control
             delays = net.transport_delays()
             procs, lines = [], queue.Queue()
             for rank in range(cl.n):
@@ -315,4 +316,4 @@ def fidelity_summary(stats: dict) -> dict:
     if stats.get("timed_out"):
         flags.append("drain cap (emu.max_drain_s) reached: unfinished requests recorded as failed")
     return {"dilation": stats.get("dilation"), "delay_mechanism": stats.get("delay_mechanism"),
-            "flags": flags}
+            "congestion_control": stats.get("congestion_control"), "flags": flags}

@@ -49,6 +49,20 @@ KERNEL_INIT_WINDOW = 1000
 #: links carried 0.74 ACKs per data segment where the model's carry 0.5 (README, "ACKs on
 #: the reverse link"). A lost segment's timeout is then the physical one in emulated time.
 RTO_MIN_S = 0.2
+#: Every host's congestion control, set in its namespace (``net.ipv4.tcp_congestion_control``
+#: is per namespace, and a new one inherits the machine's). Without it the emulator ran
+#: whatever the machine runs: on the machine of 2026-12-07 that was BBR, which sizes its
+#: window from the smallest round trip it saw (microseconds of wall time on a veth: 142
+#: segments, whatever ``initcwnd`` says), paces, and every 10 s of wall time without a new
+#: minimum drops its window to 4 segments for 200 ms (PROBE_RTT). A busy connection whose
+#: ACKs queue behind the reverse link's data then stalls: fastbehindslow4's Prism at 80
+#: req/s (T = 127) had hidden states into its fast server 400-556 ms of wall time (3-4 ms
+#: emulated) after the model's instant, and 17% fewer token-layers than the simulator by the
+#: drain cap (README, "The kernel's congestion control"). Reno, the one every kernel builds
+#: in and lets any namespace choose, without losses (the shaped links queue, they do not
+#: drop) only grows its window from ``initcwnd``: no pacing, no probing, no HyStart. The
+#: window TCP would have in emulated time is the workers' model's (``testbed/tcp.py``).
+KERNEL_CONGESTION_CONTROL = "reno"
 
 
 class EmulationUnavailable(RuntimeError):
@@ -110,6 +124,8 @@ class EmulatedNetwork:
     cpu_period_us: int = 10_000  # short CFS period: a throttled host waits at most this long
     ends: dict[tuple[int, int], LinkEnd] = field(default_factory=dict)
     mechanism: str = ""
+    #: every host's TCP congestion control, read back after it was set (``_build``)
+    congestion_control: str = ""
     #: interfaces whose packets could not be limited to one segment (``_shape``)
     gso_unlimited: list[str] = field(default_factory=list)
     _net: object = None
@@ -186,7 +202,15 @@ class EmulatedNetwork:
                                  f"echo rc=$?"))
         for h in hosts:
             _check(h.cmd("ip link set lo up; sysctl -qw net.ipv4.tcp_no_metrics_save=1 "
-                         "net.ipv4.tcp_slow_start_after_idle=0; echo rc=$?"))
+                         "net.ipv4.tcp_slow_start_after_idle=0 "
+                         f"net.ipv4.tcp_congestion_control={KERNEL_CONGESTION_CONTROL}; "
+                         "echo rc=$?"), f"{h.name}: sysctl (congestion control "
+                   f"{KERNEL_CONGESTION_CONTROL}, no slow start after idle)")
+            got = h.cmd("sysctl -n net.ipv4.tcp_congestion_control").strip()
+            if got != KERNEL_CONGESTION_CONTROL:
+                raise RuntimeError(f"emulated network setup failed: {h.name}'s TCP congestion "
+                                   f"control reads {got!r}, not {KERNEL_CONGESTION_CONTROL!r}")
+        self.congestion_control = KERNEL_CONGESTION_CONTROL
         self.hosts = hosts
 
     def _shape(self, host, intf: str, rate_bps: float, delay_s: float) -> None:
