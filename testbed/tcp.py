@@ -57,7 +57,11 @@ Left out, and why: losses (the shaped links queue, they do not drop: the
 emulator's ``fidelity`` checks zero drops), the receive window (Linux
 autotunes it to the path, up to ``tcp_rmem``'s 6 MB), Nagle and delayed ACK
 stalls (the workers write whole frames; small messages fit the initial
-window), pacing, and control frames (the emulator's per-window STATE
+window), pacing, the wait of an ACK behind the reverse link's data (its link time is
+charged, ``testbed/acks.py``, but the clock returns it one round trip after its segment:
+a window that binds while the reverse link is busy waits less here than on a real path;
+how much has not been measured),
+and control frames (the emulator's per-window STATE
 broadcasts are left out of the idle clock in both backends; under Linux they
 turn an idle restart into the application-limited decay above, which halves
 by the same rule).
