@@ -92,7 +92,8 @@ def test_the_asymmetric_fig9_spec_runs_fig9s_grid_on_asym5_prompt_only(tmp_path)
 @pytest.mark.parametrize("pooled, sweep", [
     ("paper10-hetroute", ROOT / "analysis" / "specs" / "fig9.yaml"),
     ("asym5-hetroute", ROOT / "specs" / "fig9-asym5.yaml"),
-    ("fbs4-prism40", ROOT / "specs" / "fig9-fbs4.yaml")])
+    ("fbs4-prism40", ROOT / "specs" / "fig9-fbs4.yaml"),
+    ("fbs4-hetroute80", ROOT / "specs" / "fig9-fbs4.yaml")])
 def test_a_pooled_spec_sweeps_its_agreement_sweeps_own_points(pooled, sweep, tmp_path):
     """``specs/pooled/*.yaml`` (the README's pooled agreement rows) resolve, point for point,
     to the emulated specs of the Fig. 9 agreement sweep they pool: only the folder differs."""
