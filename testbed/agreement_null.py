@@ -14,6 +14,12 @@ N. The N at which this null check is decided is the fewest seeds at which *any* 
 emulator could be confirmed within tolerance there; where the null check is itself
 undecided at the emulated check's seed count, an emulated "undecided" is no evidence
 against the emulator.
+
+One jittered run per seed is one draw of the jitter (``sim.hop_jitter_draw``); at a chaotic
+point a draw moves the pooled ratio by several percent (README, "Where the exact simulator
+is the outlier"). ``draws`` > 1 runs each seed under that many draws and pools them into the
+seed's jittered side (every measured request once per draw, the work by the cut averaged),
+and ``NullRow.per_draw`` keeps each draw's own pooled mean ratio.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from .agreement import (SIM_TWIN, TOL, TOL_WORK, SeedInterval, band_error, measure_cut, pool_seeds,
@@ -37,9 +44,11 @@ class NullRow:
     seeds: int
     mean_ms: tuple[float, float]  # (jittered, exact), the seeds' measured requests pooled
     p99_ms: tuple[float, float]  # the same requests' P99
-    work: tuple[int, int]  # token-layers done by the cut, summed over the seeds
+    work: tuple[float, float]  # token-layers done by the cut, summed over the seeds (draws averaged)
     interval: SeedInterval
     cut: bool
+    #: each jitter draw's own pooled mean ratio over these seeds (one entry per draw)
+    per_draw: tuple[float, ...] = ()
 
     def judged(self) -> list[tuple[str, float, tuple[float, float], str]]:
         """(metric, pooled ratio, interval, verdict) for what a check at this point reads."""
@@ -59,34 +68,48 @@ class NullRow:
 
 def null_agreement(spec: ExperimentSpec, out: Path, seeds: int, jitter_s: float,
                    cut_s: float | None, steps: list[int] | None = None,
-                   progress: bool = True) -> list[NullRow]:
+                   progress: bool = True, draws: int = 1) -> list[NullRow]:
     """Seeds ``spec.seed .. spec.seed+seeds-1`` of ``spec`` on the simulator, exactly
-    (``<out>/seed<s>``) and under ``jitter_s`` of mean hop jitter (``<out>/seed<s>-jitter<J>``),
-    both cut at ``cut_s`` (None: not cut); one ``NullRow`` per prefix of ``steps`` seeds
-    (default 3, 6, 12, ... up to ``seeds``). Complete runs are reused."""
+    (``<out>/seed<s>``) and under ``jitter_s`` of mean hop jitter (``<out>/seed<s>-jitter<J>``,
+    and for ``draws`` > 1 the further draws ``<out>/seed<s>-jitter<J>-draw<k>``), all cut at
+    ``cut_s`` (None: not cut); one ``NullRow`` per prefix of ``steps`` seeds (default 3, 6,
+    12, ... up to ``seeds``). Complete runs are reused."""
     if seeds < 2:
         raise ValueError(f"seeds must be >= 2 for an interval over them, not {seeds}")
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, not {draws}")
     bad = band_error([jitter_s])
     if bad:
         raise ValueError(bad)
     steps = sorted({min(n, seeds) for n in (steps or _doubling(seeds)) if n >= 2})
     w = spec.workload
-    exact, jittered = [], []
-    twins = [(spec.with_overrides({**SIM_TWIN, "seed": spec.seed + k}),
-              spec.with_overrides({**SIM_TWIN, "seed": spec.seed + k, "sim.hop_jitter_s": jitter_s}))
-             for k in range(seeds)]
-    for e, j in tqdm(twins, desc="agree-null", unit="seed", disable=not progress):
-        for s, side, name in ((e, exact, f"seed{e.seed}"), (j, jittered, f"seed{j.seed}-jitter{jitter_s:g}")):
-            run = out / name
-            if not is_done(run, s):
-                run_experiment(s, run, progress=False)
-            lat, _, done = measure_cut(*read_records(run), cut_s, w.warmup_s, w.duration_s)
-            side.append((lat, done))
+
+    def cut_run(s: ExperimentSpec, name: str) -> tuple:
+        run = out / name
+        if not is_done(run, s):
+            run_experiment(s, run, progress=False)
+        lat, _, done = measure_cut(*read_records(run), cut_s, w.warmup_s, w.duration_s)
+        return lat, done
+
+    exact: list[tuple] = []
+    drawn: list[list[tuple]] = [[] for _ in range(draws)]  # per draw, per seed
+    for k in tqdm(range(seeds), desc="agree-null", unit="seed", disable=not progress):
+        seed = spec.seed + k
+        exact.append(cut_run(spec.with_overrides({**SIM_TWIN, "seed": seed}), f"seed{seed}"))
+        for d in range(draws):
+            twin = spec.with_overrides({**SIM_TWIN, "seed": seed, "sim.hop_jitter_s": jitter_s,
+                                        "sim.hop_jitter_draw": d})
+            drawn[d].append(cut_run(twin, f"seed{seed}-jitter{jitter_s:g}" + (f"-draw{d}" if d else "")))
+    # a seed's jittered side: its draws' measured requests together, their work averaged
+    jittered = [(np.concatenate([drawn[d][k][0] for d in range(draws)]),
+                 sum(drawn[d][k][1] for d in range(draws)) / draws) for k in range(seeds)]
     rows = []
     for n in steps:
         a, b = pool_seeds(jittered[:n], None, []), pool_seeds(exact[:n], None, [])
+        per_draw = tuple(ratio(pool_seeds(drawn[d][:n], None, []).mean_ms, b.mean_ms)
+                         for d in range(draws))
         rows.append(NullRow(n, (a.mean_ms, b.mean_ms), (a.p99_ms, b.p99_ms), (a.work, b.work),
-                            seed_interval(jittered[:n], exact[:n]), cut_s is not None))
+                            seed_interval(jittered[:n], exact[:n]), cut_s is not None, per_draw))
     return rows
 
 
@@ -99,12 +122,17 @@ def _doubling(seeds: int) -> list[int]:
 
 
 def format_null(rows: list[NullRow], jitter_s: float, cut_s: float | None) -> str:
-    lines = [f"the simulator under {jitter_s * 1e6:g} us of mean hop jitter against its exact run"
+    draws = len(rows[0].per_draw) if rows else 1
+    lines = [f"the simulator under {jitter_s * 1e6:g} us of mean hop jitter"
+             + (f" ({draws} draws of it per seed, pooled)" if draws > 1 else "")
+             + " against its exact run"
              f" ({'cut at ' + format(cut_s, '.2f') + ' s' if cut_s is not None else 'not cut'}),"
              " the seeds pooled; a faithful emulator's reading at this point:"]
     for r in rows:
         parts = "; ".join(f"{'token-layers' if m == 'work' else m} {v:.3f} ({span_text(span)}), "
                           f"{verdict}" for m, v, span, verdict in r.judged())
+        if len(r.per_draw) > 1:
+            parts += "; each draw's mean " + " ".join(f"{v:.3f}" for v in r.per_draw)
         lines.append(f"seeds={r.seeds:<3d} {parts or 'no metric to bound'}")
     first = next((r.seeds for r in rows if r.decided), None)
     lines.append(f"tolerances: mean {TOL['emu/sim'][0]:.0%}, P99 {TOL['emu/sim'][1]:.0%}, "

@@ -299,6 +299,9 @@ def agree_null(point: Path = typer.Argument(..., help="an emulated run's folder 
                                             "faithful emulator, seconds"),
                cut: float = typer.Option(None, help="cut the records here, emulated seconds "
                                          "(default: where the emulated run stopped, if it did)"),
+               draws: int = typer.Option(1, min=1, max=20, help="draws of the jitter per seed "
+                                         "(sim.hop_jitter_draw), pooled; each draw's own mean "
+                                         "ratio is printed beside"),
                quiet: bool = typer.Option(False, help="no progress bar")) -> None:
     """The simulator under tiny hop jitter against its exact run, over growing numbers of
     seeds: what a faithful emulator would read at this point, and how many seeds decide it."""
@@ -330,7 +333,7 @@ def agree_null(point: Path = typer.Argument(..., help="an emulated run's folder 
     if cut is not None and not cut > 0:
         _fail(f"--cut must be > 0 s, not {cut}")
         return
-    rows = null_agreement(spec, out, seeds, jitter, cut, progress=not quiet)
+    rows = null_agreement(spec, out, seeds, jitter, cut, progress=not quiet, draws=draws)
     typer.echo(format_null(rows, jitter, cut))
 
 

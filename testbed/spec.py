@@ -29,7 +29,7 @@ OMITTED_AT_DEFAULT = {"arrivals": "poisson", "arrival_cv": 1.0, "gamma_count": "
                       "trace_rate": "spec", "trace_start_s": 0.0, "lengths": "fixed",
                       "max_prompt_tokens": None, "max_gen_tokens": None}
 #: the same for other sections' fields: section -> field -> default
-OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial"}}
+OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial"}, "sim": {"hop_jitter_draw": 0}}
 
 
 class SpecError(ValueError):
@@ -194,6 +194,18 @@ class SimSpec(_Model):
     hop_jitter_s: float = Field(0.0, ge=0, le=1.0, description="mean of an exponential extra "
                                 "delay per message that crosses a link (seeded): a sensitivity "
                                 "probe for the emulator's per-hop wall cost, not a physical term")
+    #: one seed's trajectory under jitter is one draw of a chaotic system (README, "Where the
+    #: exact simulator is the outlier": four draws of 1 us read 0.848-0.946 of the exact run
+    #: at one point), so ``agree-null --draws`` runs several
+    hop_jitter_draw: int = Field(0, ge=0, le=10_000, description="which draw of the hop "
+                                 "jitter: 0 seeds it with the run's seed (every run before the "
+                                 "field existed), k > 0 with (seed, k); needs hop_jitter_s > 0")
+
+    @model_validator(mode="after")
+    def _draw_needs_jitter(self) -> "SimSpec":
+        if self.hop_jitter_draw and not self.hop_jitter_s:
+            raise ValueError("hop_jitter_draw needs hop_jitter_s > 0 (it picks a draw of the jitter)")
+        return self
 
 
 class EmuSpec(_Model):

@@ -79,3 +79,42 @@ def test_agree_null_names_a_missing_point_or_a_folder_that_is_no_run(tmp_path):
     assert res.exit_code == 2 and "does not exist" in res.output
     res = CliRunner().invoke(app, ["agree-null", str(tmp_path)])
     assert res.exit_code == 2 and "no spec.resolved.yaml" in res.output
+
+
+def test_draws_pool_several_jitter_draws_per_seed(tmp_path):
+    spec = parse_spec(SPEC)
+    one = null_agreement(spec, tmp_path, 2, 1e-5, None, progress=False)[-1]
+    rows = null_agreement(spec, tmp_path, 2, 1e-5, None, progress=False, draws=3)
+    r = rows[-1]
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("seed1"))
+    assert names == ["seed1", "seed1-jitter1e-05", "seed1-jitter1e-05-draw1",
+                     "seed1-jitter1e-05-draw2"]
+    draw = load_spec(tmp_path / "seed1-jitter1e-05-draw2" / "spec.resolved.yaml")
+    assert (draw.sim.hop_jitter_s, draw.sim.hop_jitter_draw, draw.seed) == (1e-5, 2, spec.seed + 1)
+    # draw 0 is the run a one-draw check made (reused), and the first per-draw ratio is its own
+    assert r.per_draw[0] == pytest.approx(one.mean_ms[0] / one.mean_ms[1])
+    assert r.mean_ms[1] == one.mean_ms[1]  # the exact side is the same runs
+    # another draw is another trajectory; the pooled side holds every draw's requests once
+    w = spec.workload
+    lats = [measure_cut(*read_records(tmp_path / f"seed{k}-jitter1e-05{sfx}"), None, w.warmup_s,
+                        w.duration_s)[0] for k in range(2) for sfx in ("", "-draw1", "-draw2")]
+    assert not np.array_equal(lats[0], lats[1])
+    assert r.mean_ms[0] == pytest.approx(np.concatenate(lats).mean() * 1e3)
+    assert len(r.per_draw) == 3 and min(r.per_draw) <= r.mean_ms[0] / r.mean_ms[1] <= max(r.per_draw)
+    text = format_null(rows, 1e-5, None)
+    assert "3 draws of it per seed" in text and "each draw's mean" in text
+
+
+def test_a_jitter_draw_is_reproducible_and_needs_jitter(tmp_path):
+    from testbed.runner import run_experiment
+    from testbed.spec import SpecError
+    base = parse_spec({**SPEC, "sim": {"hop_jitter_s": 1e-5}})
+    assert "hop_jitter_draw" not in base.to_yaml()  # at its default, resolved specs omit it
+    runs = {}
+    for name, d in (("a", 1), ("b", 1), ("c", 0)):
+        run_experiment(base.with_overrides({"sim.hop_jitter_draw": d}), tmp_path / name, progress=False)
+        runs[name] = read_records(tmp_path / name)[0].sort_values(["request", "token", "layer"])
+    assert runs["a"].t_start.to_numpy().tolist() == runs["b"].t_start.to_numpy().tolist()
+    assert runs["a"].t_start.to_numpy().tolist() != runs["c"].t_start.to_numpy().tolist()
+    with pytest.raises(SpecError, match="hop_jitter_draw needs hop_jitter_s > 0"):
+        parse_spec({**SPEC, "sim": {"hop_jitter_draw": 1}})

@@ -193,7 +193,9 @@ class SimBackend:
         #: ``engine.dispatch: step``: a step's tokens leave together, one message per destination
         self.step_dispatch = self.hardware and eng.dispatch == "step"
         jit = spec.sim.hop_jitter_s
-        self.jitter = random.Random(spec.seed).expovariate if jit > 0 else None
+        draw = spec.sim.hop_jitter_draw  # 0: the run's seed alone, as before the field
+        self.jitter = (random.Random(spec.seed if not draw else f"{spec.seed}:{draw}").expovariate
+                       if jit > 0 else None)
         self.jitter_rate = 1.0 / jit if jit > 0 else 0.0
         # state views and deciders
         self.window = spec.window_s
