@@ -299,6 +299,8 @@ def agree_null(point: Path = typer.Argument(..., help="an emulated run's folder 
                                             "faithful emulator, seconds"),
                cut: float = typer.Option(None, help="cut the records here, emulated seconds "
                                          "(default: where the emulated run stopped, if it did)"),
+               at: list[int] = typer.Option([], help="seed counts to read the pool at "
+                                            "(repeatable; default 3, 6, 12, ... and --seeds)"),
                draws: int = typer.Option(1, min=1, max=20, help="draws of the jitter per seed "
                                          "(sim.hop_jitter_draw), pooled; each draw's own mean "
                                          "ratio is printed beside"),
@@ -310,6 +312,10 @@ def agree_null(point: Path = typer.Argument(..., help="an emulated run's folder 
     bad = band_error([jitter])
     if bad:
         _fail(bad.replace("--sim-band", "--jitter"))
+        return
+    wrong = [n for n in at if not 2 <= n <= seeds]
+    if wrong:
+        _fail(f"--at {wrong[0]}: each seed count must be in [2, --seeds = {seeds}]")
         return
     if point.is_dir():
         if not (point / "spec.resolved.yaml").exists():
@@ -333,7 +339,8 @@ def agree_null(point: Path = typer.Argument(..., help="an emulated run's folder 
     if cut is not None and not cut > 0:
         _fail(f"--cut must be > 0 s, not {cut}")
         return
-    rows = null_agreement(spec, out, seeds, jitter, cut, progress=not quiet, draws=draws)
+    rows = null_agreement(spec, out, seeds, jitter, cut, steps=at or None, progress=not quiet,
+                          draws=draws)
     typer.echo(format_null(rows, jitter, cut))
 
 

@@ -195,8 +195,8 @@ class SimSpec(_Model):
                                 "delay per message that crosses a link (seeded): a sensitivity "
                                 "probe for the emulator's per-hop wall cost, not a physical term")
     #: one seed's trajectory under jitter is one draw of a chaotic system (README, "Where the
-    #: exact simulator is the outlier": four draws of 1 us read 0.848-0.946 of the exact run
-    #: at one point), so ``agree-null --draws`` runs several
+    #: exact simulator's seeds read high": four draws of 1 us read 0.850-0.951 of the exact
+    #: runs of twelve seeds at one point), so ``agree-null --draws`` runs several
     hop_jitter_draw: int = Field(0, ge=0, le=10_000, description="which draw of the hop "
                                  "jitter: 0 seeds it with the run's seed (every run before the "
                                  "field existed), k > 0 with (seed, k); needs hop_jitter_s > 0")

@@ -65,6 +65,8 @@ def test_a_cut_null_check_reads_the_work_done_by_the_cut(tmp_path):
     (["--jitter", "0"], "--jitter: each jitter must be in (0, 0.001] s"),
     (["--seeds", "1"], "--seeds"),
     (["--cut", "-1"], "--cut must be > 0 s"),
+    (["--seeds", "4", "--at", "5"], "--at 5: each seed count must be in [2, --seeds = 4]"),
+    (["--at", "1"], "--at 1: each seed count"),
 ])
 def test_agree_null_rejects_bad_input_in_one_line(tmp_path, args, says):
     spec = tmp_path / "s.yaml"
