@@ -27,3 +27,10 @@ def test_equals_sorting_everything(values, k):
         w.add(v, float(i))
     got = [v for v, _ in w.report(0.0, 1.0)]
     assert got == [round(v * 1e3, 3) for v in sorted(values, reverse=True)[:k]]
+
+def test_a_peer_goes_third_where_one_is_given():
+    w = Worst(k=2)
+    w.add(0.010, 2.0, 3)  # a frame from (or to) rank 3
+    w.add(0.002, 1.0)
+    w.add(1.233, 4.0, 0)
+    assert w.report(t0=0.0, T=100) == [[1233.0, 40.0, 0], [10.0, 20.0, 3]]

@@ -526,7 +526,7 @@ class Transport:
                 model = mfree
             if modeled:
                 self._model_free[dst] = model + tx
-        late = self._late(start, model)
+        late = self._late(start, model, dst)
         self.late_vs_write += late - (now - due if now > due else 0.0)
         (lo, ls), (eo, es) = off
         ls.pack_into(head, lo, late)
@@ -574,10 +574,10 @@ class Transport:
             for st in rest:
                 self._depart(now, *st)
 
-    def _late(self, now: float, due: float) -> float:
+    def _late(self, now: float, due: float, dst: int = -1) -> float:
         late = min(MAX_HOLD_S, max(0.0, now - due))
         self.late_written.append(late)
-        self.worst_written.add(late, now)
+        self.worst_written.add(late, now, dst)
         return late
 
     def send(self, dst: int, frame: Frame, due: float | None = None, modeled: bool = True) -> bool:
@@ -644,7 +644,7 @@ class Transport:
             due = floor
         elif floor:  # handed on after the model's instant: how much (wall s)
             self.after_model.append(due - floor)
-            self.worst_after_model.add(due - floor, due)
+            self.worst_after_model.add(due - floor, due, src)
         queue = self._due_queue.get(src)
         if due <= arrival and not queue:
             self.on_frame(frame, arrival)
