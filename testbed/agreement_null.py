@@ -16,8 +16,8 @@ undecided at the emulated check's seed count, an emulated "undecided" is no evid
 against the emulator.
 
 One jittered run per seed is one draw of the jitter (``sim.hop_jitter_draw``); at a chaotic
-point a draw moves the pooled ratio by several percent (README, "Where the exact simulator
-is the outlier"). ``draws`` > 1 runs each seed under that many draws and pools them into the
+point a draw moves the pooled ratio by several percent (README, "Where the exact simulator's
+seeds read high"). ``draws`` > 1 runs each seed under that many draws and pools them into the
 seed's jittered side (every measured request once per draw, the work by the cut averaged),
 and ``NullRow.per_draw`` keeps each draw's own pooled mean ratio.
 """
