@@ -1,5 +1,5 @@
 """``python -m analysis figure --fig N --backend B --scale S``, ``figures``, ``report``,
-``compare-steps``, ``first-fork``, ``seed-scatter``, ``agreement-table``."""
+``compare-steps``, ``first-fork``, ``causal-kv``, ``seed-scatter``, ``agreement-table``."""
 
 from __future__ import annotations
 
@@ -94,6 +94,33 @@ def first_fork(run_a: Path = typer.Argument(..., help="a finished run folder (e.
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     typer.echo(format_fork(fork, (run_a.name, run_b.name)))
+
+
+@app.command("causal-kv")
+def causal_kv(runs: list[Path] = typer.Argument(..., help="run folders, or folders of runs "
+                                                "(a sweep's, e.g. results/fig9/sim-quick)"),
+              by_point: bool = typer.Option(False, help="one line per point: its seeds' "
+                                            "figures averaged")) -> None:
+    """What a token's attention needs that neither backend charges: how many token-layers
+    attended where an earlier position of their request did not run (its K/V would have to
+    move), how many ended before an earlier position's same layer did, and each run's latency
+    replayed from its own records with causal order, then with the K/V pushed over the links."""
+    from .causal_kv import HEADER, format_row, mean_reading, measure_run, run_folders
+    try:
+        folders = run_folders(runs)
+        typer.echo(HEADER)
+        points: dict[Path, list] = {}
+        for f in folders:
+            r = measure_run(f)
+            if by_point:
+                points.setdefault(f.parent, []).append(r)
+            else:
+                typer.echo(format_row(f"{f.parent.name}/{f.name}", r))
+        for point, readings in points.items():
+            typer.echo(format_row(f"{point.name} ({len(readings)} seeds)", mean_reading(readings)))
+    except (ValueError, OSError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("seed-scatter")

@@ -29,7 +29,8 @@ OMITTED_AT_DEFAULT = {"arrivals": "poisson", "arrival_cv": 1.0, "gamma_count": "
                       "trace_rate": "spec", "trace_start_s": 0.0, "lengths": "fixed",
                       "max_prompt_tokens": None, "max_gen_tokens": None}
 #: the same for other sections' fields: section -> field -> default
-OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial"}, "sim": {"hop_jitter_draw": 0}}
+OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial", "attention": "independent"},
+                     "sim": {"hop_jitter_draw": 0}}
 
 
 class SpecError(ValueError):
@@ -334,6 +335,17 @@ class EngineSpec(_Model):
         "the step, before its kernel, holding the stream) or 'copy_engine' (on the server's "
         "copy engine, FIFO with prefetches, while the stream runs the step's other work; a "
         "loaded replica's kernel waits for its copy). Hardware physics only")
+    #: ``independent`` is the paper's per-token model and the rule of every figure: a token
+    #: attends wherever it resides as if its request's earlier positions' K/V were there
+    #: (``python -m analysis causal-kv`` measures how often they were not); ``causal`` is what
+    #: a forward pass needs (testbed/kv.py). Simulator only: the emulated workers do not
+    #: exchange K/V.
+    attention: Literal["independent", "causal"] = Field(
+        "independent", description="'independent': each token's attention runs where it "
+        "resides, its request's earlier K/V taken as present (the paper's per-token model); "
+        "'causal': a token's dense part of a layer waits until every earlier position of its "
+        "request has computed that layer's K/V, and fetches those computed on other servers "
+        "(testbed/kv.py). Hardware physics, simulator only")
 
 
 class FaultSpec(_Model):
@@ -372,6 +384,10 @@ class ExperimentSpec(_Model):
         if self.engine.prefetch_link != "shared" and self.physics != "hardware":
             raise ValueError("engine.prefetch_link: 'own' needs physics: hardware (the paper's "
                              "world always gives prefetches a link of their own)")
+        if self.engine.attention != "independent" and (self.physics != "hardware"
+                                                        or self.backend != "sim"):
+            raise ValueError("engine.attention: 'causal' needs physics: hardware and backend: "
+                             "sim (the emulated workers do not exchange K/V yet)")
         if self.engine.prefetch_link == "own" and self.engine.load_overlap != "serial":
             raise ValueError("engine.prefetch_link: 'own' needs load_overlap: serial (loads "
                              "overlap kernels on the copy engine the prefetches share)")

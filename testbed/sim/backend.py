@@ -43,6 +43,7 @@ from hetroute.state import StateView, TokenView, Unroutable
 from ..acks import AckLine
 from ..collector import quiet_collector
 from ..core import Routed, TokenLayerCore, with_window
+from ..kv import RequestKv
 from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
 from ..steps import DENSE, Copy, Job, StepScheduler, step_row
@@ -70,6 +71,11 @@ class SimStats:
     control_frames: int = 0  # STATE broadcasts and FEEDBACK sent over links (net.control: links)
     control_waits: int = 0  # of them, those that waited behind hidden states on their link
     control_wait_s: float = 0.0  # summed over them
+    #: ``engine.attention: causal``: token-layers that waited for an earlier position to reach
+    #: the layer, K/V fetches (one per token-layer and holding server) and their bytes
+    kv_waits: int = 0
+    kv_fetches: int = 0
+    kv_bytes: int = 0
 
 
 def control_seconds(bandwidth, efficiency: float, header_bytes: int) -> list[list[float]]:
@@ -92,7 +98,7 @@ def _on_execute(residency: Residency):
 class _Token:
     __slots__ = ("req", "view", "targets", "t_layer", "t_dec", "t_disp", "routed", "pending",
                  "per_server", "fan_out_end", "compute_end", "fan_in_end", "bytes", "decider",
-                 "gpus", "attempt", "retries")
+                 "gpus", "attempt", "retries", "kv_pending")
 
     def __init__(self, req: "_Request", view: TokenView, targets: tuple) -> None:
         self.req = req
@@ -103,13 +109,15 @@ class _Token:
 
 
 class _Request(RequestProgress):
-    __slots__ = ("rid", "user", "home", "arrival", "failed", "reason", "targets")
+    __slots__ = ("rid", "user", "home", "arrival", "failed", "reason", "targets", "kv")
 
-    def __init__(self, rid: int, user: int, home: int, arrival: float, prompt: int, gen: int):
+    def __init__(self, rid: int, user: int, home: int, arrival: float, prompt: int, gen: int,
+                 kv: bool = False):
         super().__init__(prompt, gen)
         self.rid, self.user, self.home, self.arrival = rid, user, home, arrival
         self.failed = False
         self.reason = ""
+        self.kv = RequestKv() if kv else None  # ``engine.attention: causal``
 
 
 class _ClockBar:
@@ -192,6 +200,10 @@ class SimBackend:
         self.decision_s = float(getattr(setup, "decision_s", 0.0))
         #: ``engine.dispatch: step``: a step's tokens leave together, one message per destination
         self.step_dispatch = self.hardware and eng.dispatch == "step"
+        #: ``engine.attention: causal``: a token attends once its request's earlier K/V are
+        #: at its server (testbed/kv.py); a fetch's answer is sized as so many hidden states
+        self.causal = self.hardware and eng.attention == "causal"
+        self.kv_bytes = shape.kv_bytes_per_token
         jit = spec.sim.hop_jitter_s
         draw = spec.sim.hop_jitter_draw  # 0: the run's seed alone, as before the field
         self.jitter = (random.Random(spec.seed if not draw else f"{spec.seed}:{draw}").expovariate
@@ -287,7 +299,8 @@ class SimBackend:
         s = self.s
         spec = s.spec
         for rq in s.requests:
-            req = _Request(rq.id, rq.user, rq.home, rq.arrival_s, rq.prompt_tokens, rq.gen_tokens)
+            req = _Request(rq.id, rq.user, rq.home, rq.arrival_s, rq.prompt_tokens, rq.gen_tokens,
+                           self.causal)
             self.at(rq.arrival_s, self._arrive, req)
         self.at(self.window, self._window, None)
         for f in spec.faults:
@@ -416,10 +429,72 @@ class SimBackend:
         if not self.hardware:  # the paper's world: a per-token delay outside the stream
             heapq.heappush(self.heap, (t + self.dense_delay[theta], self.next_seq(), self._decide, tok))
             return
+        if self.causal:
+            self._attend(tok)
+            return
         tv = tok.view
         self.sched[theta].submit(Job(tv.layer, DENSE, tok, tv.request, tv.index, t,
                                      (tok, tok.attempt), tok.req.arrival))
         self._kick(theta)
+
+    # -- engine.attention: causal (testbed/kv.py) ---------------------------------------
+    def _attend(self, tok: _Token) -> None:
+        """Queue the token's dense part once its request's earlier K/V of this layer are
+        at its server; else park it, or fetch what other servers hold first."""
+        req = tok.req
+        if req.failed:
+            return
+        tv = tok.view
+        layer, theta = tv.layer, tv.server
+        kv = req.kv
+        need = kv.needs(layer, tv.index, theta)
+        if need is None:
+            kv.park(layer, (tok, tok.attempt))
+            self.stats.kv_waits += 1
+            return
+        if need:
+            tok.kv_pending = len(need)
+            att = tok.attempt
+            for src, positions in need.items():  # a request to each holder, answered at once
+                if self.control_s is not None:
+                    at = self.send_control(theta, src, self.now)
+                else:
+                    at = self.now + self.delay[theta][src]
+                self.at(at, self._kv_answer, (tok, att, src, positions))
+            return
+        kv.submitted(layer, tv.index, theta)
+        self.sched[theta].submit(Job(layer, DENSE, tok, tv.request, tv.index, self.now,
+                                     (tok, tok.attempt), req.arrival))
+        self._kick(theta)
+        self._kv_wake(req, layer)
+
+    def _kv_wake(self, req: _Request, layer: int) -> None:
+        """Check again the tokens parked on ``layer`` of ``req`` (some may park again)."""
+        for tok, att in req.kv.take_waiting(layer):
+            if att == tok.attempt:
+                self._attend(tok)
+
+    def _kv_answer(self, arg) -> None:
+        """A holder sends the K/V asked for (their bytes, over its link to the asker)."""
+        tok, att, src, positions = arg
+        if att != tok.attempt or tok.req.failed:
+            return
+        theta = tok.view.server
+        nbytes = len(positions) * self.kv_bytes
+        arr = self.send(src, theta, self.now, nbytes / self.msg_wire)
+        st = self.stats
+        st.kv_fetches += 1
+        st.kv_bytes += nbytes
+        self.at(arr, self._kv_in, arg)
+
+    def _kv_in(self, arg) -> None:
+        tok, att, src, positions = arg
+        if att != tok.attempt or tok.req.failed:
+            return
+        tok.req.kv.fetched(tok.view.layer, tok.view.server, positions)
+        tok.kv_pending -= 1
+        if tok.kv_pending == 0:
+            self._attend(tok)  # nothing is missing now: it queues
 
     def _decide(self, tok: _Token) -> None:
         end = self._route(tok)
@@ -627,6 +702,9 @@ class SimBackend:
             if att != tok.attempt or tok.req.failed:
                 continue  # a re-routed or failed token's stale work
             if job.replica == DENSE:
+                if self.causal:  # its K/V exist here now
+                    tok.req.kv.done(job.layer, job.position, n)
+                    self._kv_wake(tok.req, job.layer)
                 if step:
                     cohort.append(tok)
                 else:

@@ -1,0 +1,77 @@
+"""Where a request's keys and values are: what a token's attention waits for (``engine.attention``).
+
+Token i's attention at layer l reads the K/V of positions 0..i-1 at layer l. The paper's
+per-token model (and ``engine.attention: independent``, the rule of every figure) lets
+each token attend wherever it resides as if they were there. Under ``causal`` a token's
+dense part of layer l joins its server's stream only when, for every earlier position j
+of its request,
+
+- j's dense part of layer l has ended (its K/V exist) and they are at this server: j ran
+  the layer here, or they were fetched here before; or
+- j's dense job of layer l is queued or running in this server's stream: a stream runs one
+  step at a time and takes a layer's jobs in order of submission within a request, so j's
+  step is this token's or an earlier one (a step attends with a causal mask).
+
+Otherwise the token waits: for an earlier position still on its way to layer l, or for
+the K/V computed on other servers, which its server fetches (a request to each server
+holding some, answered with them; fetched K/V stay). Prompt tokens, released together,
+thus move through a layer no faster than the positions before them, as a real prefill
+does; a generated token fetches what the earlier positions left on other servers.
+
+This module is the bookkeeping, with no time and no transport (the backend sends the
+fetches and charges them); one ledger per request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RequestKv:
+    """One request's K/V, layer by layer, and the tokens waiting on them."""
+
+    __slots__ = ("computed", "queued", "held", "waiting")
+
+    def __init__(self) -> None:
+        self.computed: dict[int, dict[int, int]] = {}  # layer -> position -> server
+        self.queued: dict[int, dict[int, int]] = {}  # layer -> position -> server (in its stream)
+        self.held: dict[tuple[int, int], set[int]] = {}  # (layer, server) -> positions fetched
+        self.waiting: dict[int, list[Any]] = {}  # layer -> tokens parked on it
+
+    def needs(self, layer: int, position: int, server: int) -> dict[int, list[int]] | None:
+        """What ``position``'s attention at ``layer`` on ``server`` lacks: None while some
+        earlier position's K/V do not exist and are not coming from this server's own
+        stream (wait); else the positions to fetch, by the server holding them (empty:
+        attend now)."""
+        comp = self.computed.get(layer, {})
+        queued = self.queued.get(layer, {})
+        held = self.held.get((layer, server), ())
+        fetch: dict[int, list[int]] = {}
+        for j in range(position):
+            s = comp.get(j)
+            if s is None:
+                if queued.get(j) == server:
+                    continue
+                return None
+            if s != server and j not in held:
+                fetch.setdefault(s, []).append(j)
+        return fetch
+
+    def submitted(self, layer: int, position: int, server: int) -> None:
+        """``position``'s dense job of ``layer`` joined ``server``'s stream."""
+        self.queued.setdefault(layer, {})[position] = server
+
+    def done(self, layer: int, position: int, server: int) -> None:
+        """``position``'s dense part of ``layer`` ended on ``server``: its K/V exist there."""
+        self.queued.get(layer, {}).pop(position, None)
+        self.computed.setdefault(layer, {})[position] = server
+
+    def fetched(self, layer: int, server: int, positions: list[int]) -> None:
+        self.held.setdefault((layer, server), set()).update(positions)
+
+    def park(self, layer: int, token: Any) -> None:
+        self.waiting.setdefault(layer, []).append(token)
+
+    def take_waiting(self, layer: int) -> list[Any]:
+        """The tokens parked on ``layer`` (the caller checks each again, re-parking some)."""
+        return self.waiting.pop(layer, [])
