@@ -212,7 +212,9 @@ def _pushed(srv: np.ndarray, present: np.ndarray) -> int:
 
 
 def measure_run(run_dir: Path) -> CausalKv:
-    """``measure`` of a run folder: its records, and its links and model from its resolved spec."""
+    """``measure`` of a run folder over the requests its metrics measure (arriving in
+    [warmup, duration)): its records, and its links and model from its resolved spec."""
+    from testbed.metrics import measured
     from testbed.setup import check_spec
     from testbed.spec import load_spec
 
@@ -224,6 +226,8 @@ def measure_run(run_dir: Path) -> CausalKv:
     tl, rq = read_records(Path(run_dir))
     if tl.empty or rq.empty:
         raise ValueError(f"{run_dir}: no token-layer or request records")
+    w = checked.spec.workload
+    rq = measured(rq, w.warmup_s, w.duration_s)  # the requests the run's metrics measure
     return measure(tl, rq, float(model.kv_bytes_per_token()), np.array(cl.delay, dtype=float),
                    np.array(cl.bandwidth, dtype=float), float(model.hidden_bytes()))
 

@@ -71,8 +71,9 @@ class SimStats:
     control_frames: int = 0  # STATE broadcasts and FEEDBACK sent over links (net.control: links)
     control_waits: int = 0  # of them, those that waited behind hidden states on their link
     control_wait_s: float = 0.0  # summed over them
-    #: ``engine.attention: causal``: token-layers that waited for an earlier position to reach
-    #: the layer, K/V fetches (one per token-layer and holding server) and their bytes
+    #: ``engine.attention: causal``: times a token parked for an earlier position that had not
+    #: reached its layer (it parks again each time it is checked while one is still missing),
+    #: K/V fetches (one per token-layer and holding server) and their bytes
     kv_waits: int = 0
     kv_fetches: int = 0
     kv_bytes: int = 0
