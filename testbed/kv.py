@@ -18,6 +18,11 @@ holding some, answered with them; fetched K/V stay). Prompt tokens, released tog
 thus move through a layer no faster than the positions before them, as a real prefill
 does; a generated token fetches what the earlier positions left on other servers.
 
+What is not charged: a waiting token's server learns at once that an earlier position has
+computed its K/V and where (a real system would hear it over a link, or ask a directory),
+and fetched K/V take no memory. Both make the rule a lower bound of what causal attention
+costs a router whose tokens part ways.
+
 This module is the bookkeeping, with no time and no transport (the backend sends the
 fetches and charges them); one ledger per request.
 """
