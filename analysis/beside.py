@@ -4,7 +4,8 @@
 that adds one axis to its figure's (``specs/fig9-bursty.yaml``: the arrival process;
 ``specs/fig9-overlap.yaml``: where expert loads run) and the figure's own sweep of the same
 backend and scale (``--base-results``, default ``results``), averages each point's metric
-over its seeds and prints one Markdown row per router and load: the figure's value, then
+over its seeds and prints one Markdown row per point of the figure's own axes (router and
+load in Fig. 9, model and router in Fig. 7, router in Fig. 8): the figure's value, then
 each value of the extra axis with its ratio to it and, with ``--seed-ratios``, the range of
 the seeds' own ratios (seed s against seed s: the same requests, placement and decision
 constant, so the range says whether the change moved every seed the same way).
@@ -64,26 +65,36 @@ def compare_table(base: pd.DataFrame, other: pd.DataFrame, axis: str, metric: st
     o = o.set_index(k + [axis])
     ratios = seed_ratios(base, other, k, axis, metric) if by_seed and metric != "sla_ratio" else None
     fmt = (lambda v: f"{v:.2f}") if metric == "sla_ratio" else (lambda v: f"{v:.0f}")
-    head = ["router", "req/s", f"{base_label} {METRICS.get(metric, metric)}"]
+    head = [_LABELS.get(key, key.split(".")[-1]) for key in k]
+    head.append(f"{base_label} {METRICS.get(metric, metric)}")
     head += [f"{axis.split('.')[-1]} {_level(lv)}" for lv in levels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     seeds = int(max(b["seeds"].max(), o["seeds"].max())) if len(o) else 0
-    for idx in sorted(set(b.index) | {i[:-1] for i in o.index}):
+    tup = (lambda i: i if isinstance(i, tuple) else (i,))  # one key: a plain index
+    b_val = {tup(i): v for i, v in b["value"].items()}
+    b_n = {tup(i): v for i, v in b["seeds"].items()}
+    o_val, o_n = dict(o["value"].items()), dict(o["seeds"].items())
+    r_at = {} if ratios is None else {tup(i): tuple(row) for i, row in ratios.iterrows()}
+    for idx in sorted(set(b_val) | {i[:-1] for i in o_val}):
         cells = [str(x) for x in idx]
-        base_v = b["value"].get(idx)
-        cells.append("-" if base_v is None else fmt(base_v) + _short(b["seeds"].get(idx), seeds))
+        base_v = b_val.get(idx)
+        cells.append("-" if base_v is None else fmt(base_v) + _short(b_n.get(idx), seeds))
         for lv in levels:
-            v = o["value"].get((*idx, lv))
+            v = o_val.get((*idx, lv))
             if v is None:
                 cells.append("-")
                 continue
             ratio = f" ({v / base_v:.2f}x" if base_v and metric != "sla_ratio" else ""
-            if ratio and ratios is not None and (*idx, lv) in ratios.index:
-                paired, lo, hi = ratios.loc[(*idx, lv)]  # over the seeds both sides have
+            if ratio and (*idx, lv) in r_at:
+                paired, lo, hi = r_at[(*idx, lv)]  # over the seeds both sides have
                 ratio = f" ({paired:.2f}x; seeds {lo:.2f}-{hi:.2f}x"
-            cells.append(fmt(v) + (ratio + ")" if ratio else "") + _short(o["seeds"].get((*idx, lv)), seeds))
+            cells.append(fmt(v) + (ratio + ")" if ratio else "") + _short(o_n.get((*idx, lv)), seeds))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+#: column heads of the usual point keys; any other axis is headed by its last name
+_LABELS = {"router.name": "router", "workload.rate_per_s": "req/s"}
 
 
 def _short(n, full: int) -> str:
@@ -106,8 +117,9 @@ def beside_tables(spec_file: Path, results: Path, base_results: Path, backend: s
     if other.empty or base.empty:
         raise ValueError(f"no complete runs under {results if other.empty else base_results} "
                          f"for {backend}/{scale}/{physics}")
+    keys = tuple(base_spec.axes)  # a point is a value of each of the figure's own axes
     out = []
     for metric, name in METRICS.items():
         out.append(f"{name}, mean over seeds:\n\n" + compare_table(
-            base, other, extra[0], metric, base_label=base_label, by_seed=by_seed))
+            base, other, extra[0], metric, keys=keys, base_label=base_label, by_seed=by_seed))
     return "\n\n".join(out)

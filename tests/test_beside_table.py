@@ -41,3 +41,21 @@ def test_a_setting_axis_of_names_is_labelled_and_each_seed_is_set_against_its_ow
     t = compare_table(base, short, "engine.load_overlap", "mean_ms", base_label="figure's",
                       by_seed=True).splitlines()
     assert t[2] == "| a | 10 | 200 | 330 (1.10x; seeds 1.10-1.10x) [1 seeds] |"
+
+
+def test_a_figure_without_a_load_axis_is_keyed_by_its_own_axes():
+    # Fig. 8 (routers only) and Fig. 7 (model, router): one key, or another pair
+    cols = ["router.name", "engine.attention", "seed", "mean_ms"]
+    base = pd.DataFrame([("a", None, 0, 100.0), ("b", None, 0, 50.0)], columns=cols)
+    other = pd.DataFrame([("a", "causal", 0, 300.0), ("b", "causal", 0, 50.0)], columns=cols)
+    t = compare_table(base, other, "engine.attention", "mean_ms", keys=("router.name",),
+                      base_label="figure's", by_seed=True).splitlines()
+    assert t[0] == "| router | figure's mean ms | attention causal |"
+    assert t[2:] == ["| a | 100 | 300 (3.00x; seeds 3.00-3.00x) |",
+                     "| b | 50 | 50 (1.00x; seeds 1.00-1.00x) |"]
+    base.insert(0, "workload.model", "m")
+    other.insert(0, "workload.model", "m")
+    t = compare_table(base, other, "engine.attention", "mean_ms",
+                      keys=("workload.model", "router.name")).splitlines()
+    assert t[0] == "| model | router | Poisson mean ms | attention causal |"
+    assert t[2] == "| m | a | 100 | 300 (3.00x) |"
