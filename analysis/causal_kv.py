@@ -211,9 +211,10 @@ def _pushed(srv: np.ndarray, present: np.ndarray) -> int:
     return count
 
 
-def measure_run(run_dir: Path) -> CausalKv:
+def measure_run(run_dir: Path, every_request: bool = False) -> CausalKv:
     """``measure`` of a run folder over the requests its metrics measure (arriving in
-    [warmup, duration)): its records, and its links and model from its resolved spec."""
+    [warmup, duration); ``every_request``: all of them, as a run's own counters count):
+    its records, and its links and model from its resolved spec."""
     from testbed.metrics import measured
     from testbed.setup import check_spec
     from testbed.spec import load_spec
@@ -227,7 +228,8 @@ def measure_run(run_dir: Path) -> CausalKv:
     if tl.empty or rq.empty:
         raise ValueError(f"{run_dir}: no token-layer or request records")
     w = checked.spec.workload
-    rq = measured(rq, w.warmup_s, w.duration_s)  # the requests the run's metrics measure
+    if not every_request:
+        rq = measured(rq, w.warmup_s, w.duration_s)  # the requests the run's metrics measure
     return measure(tl, rq, float(model.kv_bytes_per_token()), np.array(cl.delay, dtype=float),
                    np.array(cl.bandwidth, dtype=float), float(model.hidden_bytes()))
 

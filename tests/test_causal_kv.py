@@ -157,11 +157,13 @@ def test_under_causal_attention_no_token_outruns_an_earlier_position(tmp_path):
     spec = parse_spec({**CAUSAL, "name": "h", "router": {"name": "hetroute"},
                        "engine": {"attention": "causal"}})
     run_experiment(spec, tmp_path / "h", progress=False)
-    r = measure_run(tmp_path / "h")
+    r = measure_run(tmp_path / "h", every_request=True)  # as the run's counters count
     stats = json.loads((tmp_path / "h" / "run.json").read_text())["stats"]
     assert r.causal == 0.0 and r.lead_mean_s == 0.0  # every dense part after the earlier ones'
     assert r.kv_remote > 0 and stats["kv_fetches"] > 0 and stats["kv_waits"] > 0
     assert stats["kv_bytes"] == r.kv_bytes  # the fetches moved what the records say was needed
+    measured = measure_run(tmp_path / "h")  # the requests the metrics measure: fewer
+    assert 0 < measured.requests < r.requests and measured.kv_bytes < r.kv_bytes
     assert r.pull_mean_s == pytest.approx(r.latency_mean_s)  # nothing left for a replay to add
     # a pipeline's tokens run each layer together in one server's steps: nothing changes
     for name, rule in (("edgeshard", "independent"), ("edgeshard", "causal")):
