@@ -104,7 +104,8 @@ def causal_kv(runs: list[Path] = typer.Argument(..., help="run folders, or folde
     """What a token's attention needs that neither backend charges: how many token-layers
     attended where an earlier position of their request did not run (its K/V would have to
     move), how many ended before an earlier position's same layer did, and each run's latency
-    replayed from its own records with causal order, then with the K/V pushed over the links."""
+    replayed from its own records with causal order, with the K/V pushed over the links, and
+    with them pulled when needed."""
     from .causal_kv import HEADER, format_row, mean_reading, measure_run, run_folders
     try:
         folders = run_folders(runs)

@@ -16,15 +16,17 @@ to first order, what honouring it would cost:
   of the request had *not* run that layer (its K/V would have to be fetched);
 - ``causal``: token-layers whose dense part ended before an earlier position's dense part
   of the same layer ended (they attended K/V that did not exist yet), and by how much;
-- latency under two replays of the request's own recorded durations (queue waits, steps,
-  decisions, hops held as recorded; each request replayed alone): ``order`` lets token i's
-  dense part of layer l end no earlier than every earlier position's (K/V present anywhere
-  at once), ``push`` also waits for each earlier position's K/V to reach i's server from
-  where it was computed, sent the moment it was (one-way delay plus 4 KB-scale bytes over
-  the link, link sharing ignored). A step in which a token waits is charged no extra
-  kernel time. Both are lower bounds of the effect: a real engine's waits would also move
-  other requests' queues, and pulling K/V on demand (a system does not know in advance
-  where a later position will attend) costs a round trip more than ``push``.
+- latency under three replays of the request's own recorded durations (queue waits,
+  steps, decisions, hops held as recorded; each request replayed alone): ``order`` lets
+  token i's dense part of layer l end no earlier than every earlier position's (K/V present
+  anywhere at once); ``push`` also waits for each earlier position's K/V to reach i's
+  server from where they were computed, sent the moment they were (one-way delay plus
+  their bytes over the link, link sharing ignored); ``pull`` has i's server ask each
+  holder when i arrives and wait for the answer (fetched K/V stay). A step in which a token
+  waits is charged no extra kernel time. The replays show the extent, not the outcome: a
+  real engine's waits also move other requests' queues and how steps batch, which
+  ``engine.attention: causal`` simulates (README, "A token's attention needs its request's
+  earlier positions": there the replay and the simulation disagree in sign for Prism).
 
 A pipeline (every token of a request runs a layer at one server, in one step) reads zero on
 every count; a router whose tokens part ways does not.

@@ -433,6 +433,10 @@ class SimBackend:
         if self.causal:
             self._attend(tok)
             return
+        self._submit_dense(tok, theta, t)
+
+    def _submit_dense(self, tok: _Token, theta: int, t: float) -> None:
+        """The token's dense part joins server theta's stream at t."""
         tv = tok.view
         self.sched[theta].submit(Job(tv.layer, DENSE, tok, tv.request, tv.index, t,
                                      (tok, tok.attempt), tok.req.arrival))
@@ -464,9 +468,7 @@ class SimBackend:
                 self.at(at, self._kv_answer, (tok, att, src, positions))
             return
         kv.submitted(layer, tv.index, theta)
-        self.sched[theta].submit(Job(layer, DENSE, tok, tv.request, tv.index, self.now,
-                                     (tok, tok.attempt), req.arrival))
-        self._kick(theta)
+        self._submit_dense(tok, theta, self.now)
         self._kv_wake(req, layer)
 
     def _kv_wake(self, req: _Request, layer: int) -> None:
