@@ -52,6 +52,12 @@ class HomeGathering(SetLevelRouter):
             found = one_exchange(problem, *found)
         return found
 
+    def _fallback_search(self, problem, targets, theta, view):
+        """Algorithm 2's emergency fallback, its choice evaluated again so that it gathers at
+        the home (its all-fallback enumeration takes the same k = 2 shortcut)."""
+        chosen, _ = super()._fallback_search(problem, targets, theta, view)
+        return chosen, problem.evaluate(chosen)
+
     def spawn(self) -> "HomeGathering":
         other = super().spawn()
         other.__class__ = type(self)

@@ -18,10 +18,19 @@ holding some, answered with them; fetched K/V stay). Prompt tokens, released tog
 thus move through a layer no faster than the positions before them, as a real prefill
 does; a generated token fetches what the earlier positions left on other servers.
 
-What is not charged: a waiting token's server learns at once that an earlier position has
-computed its K/V and where (a real system would hear it over a link, or ask a directory),
-and fetched K/V take no memory. Both make the rule a lower bound of what causal attention
-costs a router whose tokens part ways.
+How a waiting server learns where the K/V are (``engine.kv_news``):
+
+- ``instant`` (the default): at once, as soon as an earlier position has computed them,
+  wherever that was. Nothing carries the news, so this is a lower bound.
+- ``home``: a directory at the request's home server. A server tells the home which
+  positions' dense parts of which layer a step computed (one message per step and home,
+  none when it is the home); a token whose earlier positions are not all in its own
+  server's stream, computed there or held there asks the home for the rest; the home
+  answers once it has heard of all of them, with their holders, and the token's server
+  fetches from those. A server still sees its own stream: a token whose missing positions
+  arrive there attends without waiting for the answer.
+
+Fetched K/V take no memory under either.
 
 This module is the bookkeeping, with no time and no transport (the backend sends the
 fetches and charges them); one ledger per request.
@@ -35,13 +44,17 @@ from typing import Any
 class RequestKv:
     """One request's K/V, layer by layer, and the tokens waiting on them."""
 
-    __slots__ = ("computed", "queued", "held", "waiting")
+    __slots__ = ("computed", "queued", "held", "waiting", "noticed", "asks")
 
     def __init__(self) -> None:
         self.computed: dict[int, dict[int, int]] = {}  # layer -> position -> server
         self.queued: dict[int, dict[int, int]] = {}  # layer -> position -> server (in its stream)
         self.held: dict[tuple[int, int], set[int]] = {}  # (layer, server) -> positions fetched
         self.waiting: dict[int, list[Any]] = {}  # layer -> tokens parked on it
+        #: ``kv_news: home``: what the home has heard (layer -> position -> server) and the
+        #: asks it holds until it has heard of every position they name (layer -> asks)
+        self.noticed: dict[int, dict[int, int]] = {}
+        self.asks: dict[int, list[Any]] = {}
 
     def needs(self, layer: int, position: int, server: int) -> dict[int, list[int]] | None:
         """What ``position``'s attention at ``layer`` on ``server`` lacks: None while some
@@ -61,6 +74,33 @@ class RequestKv:
             if s != server and j not in held:
                 fetch.setdefault(s, []).append(j)
         return fetch
+
+    def local_missing(self, layer: int, position: int, server: int) -> list[int]:
+        """The earlier positions whose K/V of ``layer`` ``server`` cannot see: not in its
+        stream, not computed there, not fetched there (``kv_news: home``)."""
+        comp = self.computed.get(layer, {})
+        queued = self.queued.get(layer, {})
+        held = self.held.get((layer, server), ())
+        return [j for j in range(position)
+                if comp.get(j, queued.get(j)) != server and j not in held]
+
+    def notice(self, layer: int, positions: list[int], server: int) -> None:
+        """The home hears that ``server`` computed these positions' K/V of ``layer``."""
+        seen = self.noticed.setdefault(layer, {})
+        for j in positions:
+            seen[j] = server
+
+    def located(self, layer: int, positions: list[int]) -> dict[int, list[int]] | None:
+        """Where the home knows ``positions``' K/V of ``layer`` are, by server; None while it
+        has not heard of some."""
+        seen = self.noticed.get(layer, {})
+        out: dict[int, list[int]] = {}
+        for j in positions:
+            s = seen.get(j)
+            if s is None:
+                return None
+            out.setdefault(s, []).append(j)
+        return out
 
     def submitted(self, layer: int, position: int, server: int) -> None:
         """``position``'s dense job of ``layer`` joined ``server``'s stream."""

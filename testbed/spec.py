@@ -29,7 +29,8 @@ OMITTED_AT_DEFAULT = {"arrivals": "poisson", "arrival_cv": 1.0, "gamma_count": "
                       "trace_rate": "spec", "trace_start_s": 0.0, "lengths": "fixed",
                       "max_prompt_tokens": None, "max_gen_tokens": None}
 #: the same for other sections' fields: section -> field -> default
-OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial", "attention": "independent"},
+OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial", "attention": "independent",
+                                "kv_news": "instant"},
                      "sim": {"hop_jitter_draw": 0}}
 
 
@@ -346,6 +347,12 @@ class EngineSpec(_Model):
         "'causal': a token's dense part of a layer waits until every earlier position of its "
         "request has computed that layer's K/V, and fetches those computed on other servers "
         "(testbed/kv.py). Hardware physics, simulator only")
+    #: ``instant`` is the lower bound every causal run before 2026-12-07 (afternoon) used
+    kv_news: Literal["instant", "home"] = Field(
+        "instant", description="under attention: causal, how a waiting token's server learns "
+        "where its request's earlier K/V are: 'instant' (at once: a lower bound) or 'home' (a "
+        "directory at the request's home: servers report each step's dense parts there, a "
+        "token asks it and is answered once it has heard of every earlier position)")
 
 
 class FaultSpec(_Model):
@@ -388,6 +395,9 @@ class ExperimentSpec(_Model):
                                                         or self.backend != "sim"):
             raise ValueError("engine.attention: 'causal' needs physics: hardware and backend: "
                              "sim (the emulated workers do not exchange K/V yet)")
+        if self.engine.kv_news != "instant" and self.engine.attention != "causal":
+            raise ValueError("engine.kv_news: 'home' needs attention: causal (under "
+                             "'independent' no token waits for its request's K/V)")
         if self.engine.prefetch_link == "own" and self.engine.load_overlap != "serial":
             raise ValueError("engine.prefetch_link: 'own' needs load_overlap: serial (loads "
                              "overlap kernels on the copy engine the prefetches share)")

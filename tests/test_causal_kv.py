@@ -174,3 +174,62 @@ def test_under_causal_attention_no_token_outruns_an_earlier_position(tmp_path):
     a = read_records(tmp_path / "independent")[1].sort_values("request").latency_s.to_numpy()
     b = read_records(tmp_path / "causal")[1].sort_values("request").latency_s.to_numpy()
     assert len(a) > 0 and np.array_equal(a, b)
+
+
+# -- engine.kv_news: home (a directory at the request's home) --------------------------------
+
+def test_the_home_answers_only_once_it_has_heard_of_every_position_asked_for():
+    from testbed.kv import RequestKv
+    kv = RequestKv()
+    kv.submitted(2, 0, 1)
+    kv.done(2, 1, 1)
+    kv.fetched(2, 1, [2])
+    assert kv.local_missing(2, 4, 1) == [3]  # 0 in its stream, 1 computed there, 2 fetched
+    assert kv.local_missing(2, 4, 0) == [0, 1, 2, 3] and kv.local_missing(2, 0, 0) == []
+    assert kv.located(2, [1, 3]) is None  # the home has heard of neither
+    kv.notice(2, [1], 1)
+    assert kv.located(2, [1, 3]) is None
+    kv.notice(2, [3], 4)
+    assert kv.located(2, [1, 3]) == {1: [1], 4: [3]} and kv.located(3, [1]) is None
+
+
+def test_kv_news_from_the_home_needs_causal_attention():
+    from testbed.spec import SpecError
+    assert "kv_news" not in parse_spec({"engine": {"attention": "causal"}}).to_yaml()
+    assert "kv_news: home" in parse_spec({"engine": {"attention": "causal",
+                                                     "kv_news": "home"}}).to_yaml()
+    with pytest.raises(SpecError, match="engine.kv_news"):
+        parse_spec({"engine": {"kv_news": "home"}})
+
+
+@pytest.mark.slow
+def test_with_a_directory_at_the_home_tokens_ask_it_and_still_never_outrun_a_position(tmp_path):
+    import json
+    stats, runs = {}, {}
+    for news in ("instant", "home"):
+        spec = parse_spec({**CAUSAL, "name": "h", "router": {"name": "hetroute"},
+                           "engine": {"attention": "causal", "kv_news": news}})
+        run_experiment(spec, tmp_path / news, progress=False)
+        stats[news] = json.loads((tmp_path / news / "run.json").read_text())["stats"]
+        runs[news] = measure_run(tmp_path / news, every_request=True)
+    home, instant = stats["home"], stats["instant"]
+    assert instant["kv_asks"] == 0 == instant["kv_notices"]
+    assert home["kv_asks"] > 0 and home["kv_notices"] > 0 and home["kv_fetches"] > 0
+    r = runs["home"]
+    assert r.causal == 0.0 and home["kv_bytes"] == r.kv_bytes  # fetched what was needed
+    assert r.pull_mean_s == pytest.approx(r.latency_mean_s)
+    again = parse_spec({**CAUSAL, "name": "h", "router": {"name": "hetroute"},
+                        "engine": {"attention": "causal", "kv_news": "home"}})
+    run_experiment(again, tmp_path / "again", progress=False)  # seeded: the same to the bit
+    from testbed.records import read_records
+    assert read_records(tmp_path / "again")[0].equals(read_records(tmp_path / "home")[0])
+    # a pipeline's stage sees every earlier position in its own stream: it never asks, and
+    # the notices it sends the home (tens of bytes) move nothing
+    lat = {}
+    for news in ("instant", "home"):
+        spec = parse_spec({**CAUSAL, "name": "e", "router": {"name": "edgeshard"},
+                           "engine": {"attention": "causal", "kv_news": news}})
+        run_experiment(spec, tmp_path / f"e-{news}", progress=False)
+        lat[news] = read_records(tmp_path / f"e-{news}")[1].sort_values("request").latency_s
+    assert len(lat["home"]) > 0 and np.array_equal(lat["instant"].to_numpy(),
+                                                   lat["home"].to_numpy())

@@ -77,6 +77,10 @@ class SimStats:
     kv_waits: int = 0
     kv_fetches: int = 0
     kv_bytes: int = 0
+    #: ``engine.kv_news: home``: asks a token's server sent the home, and the home's notices
+    #: (one per step and home other than the step's server)
+    kv_asks: int = 0
+    kv_notices: int = 0
 
 
 def control_seconds(bandwidth, efficiency: float, header_bytes: int) -> list[list[float]]:
@@ -99,7 +103,7 @@ def _on_execute(residency: Residency):
 class _Token:
     __slots__ = ("req", "view", "targets", "t_layer", "t_dec", "t_disp", "routed", "pending",
                  "per_server", "fan_out_end", "compute_end", "fan_in_end", "bytes", "decider",
-                 "gpus", "attempt", "retries", "kv_pending")
+                 "gpus", "attempt", "retries", "kv_pending", "kv_ask", "kv_sent")
 
     def __init__(self, req: "_Request", view: TokenView, targets: tuple) -> None:
         self.req = req
@@ -107,6 +111,8 @@ class _Token:
         self.targets = targets  # per layer: tuple of global expert ids
         self.attempt = 0  # id of the current routing attempt, unique over the token's life
         self.retries = 0  # re-routes of the current layer forced by faults
+        self.kv_ask = None  # ``kv_news: home``: (attempt, layer) of the ask out for this layer
+        self.kv_sent = False  # its dense part of the current layer is in its server's stream
 
 
 class _Request(RequestProgress):
@@ -204,6 +210,7 @@ class SimBackend:
         #: ``engine.attention: causal``: a token attends once its request's earlier K/V are
         #: at its server (testbed/kv.py); a fetch's answer is sized as so many hidden states
         self.causal = self.hardware and eng.attention == "causal"
+        self.kv_home = self.causal and eng.kv_news == "home"
         self.kv_bytes = shape.kv_bytes_per_token
         jit = spec.sim.hop_jitter_s
         draw = spec.sim.hop_jitter_draw  # 0: the run's seed alone, as before the field
@@ -431,6 +438,7 @@ class SimBackend:
             heapq.heappush(self.heap, (t + self.dense_delay[theta], self.next_seq(), self._decide, tok))
             return
         if self.causal:
+            tok.kv_sent = False
             self._attend(tok)
             return
         self._submit_dense(tok, theta, t)
@@ -447,11 +455,14 @@ class SimBackend:
         """Queue the token's dense part once its request's earlier K/V of this layer are
         at its server; else park it, or fetch what other servers hold first."""
         req = tok.req
-        if req.failed:
+        if req.failed or tok.kv_sent:
             return
         tv = tok.view
         layer, theta = tv.layer, tv.server
         kv = req.kv
+        if self.kv_home:
+            self._attend_home(tok, kv, layer, theta)
+            return
         need = kv.needs(layer, tv.index, theta)
         if need is None:
             kv.park(layer, (tok, tok.attempt))
@@ -467,15 +478,107 @@ class SimBackend:
                     at = self.now + self.delay[theta][src]
                 self.at(at, self._kv_answer, (tok, att, src, positions))
             return
-        kv.submitted(layer, tv.index, theta)
+        self._kv_submit(tok, kv, layer, theta)
+
+    def _kv_submit(self, tok: _Token, kv, layer: int, theta: int) -> None:
+        tok.kv_sent = True
+        kv.submitted(layer, tok.view.index, theta)
         self._submit_dense(tok, theta, self.now)
-        self._kv_wake(req, layer)
+        self._kv_wake(tok.req, layer)
 
     def _kv_wake(self, req: _Request, layer: int) -> None:
         """Check again the tokens parked on ``layer`` of ``req`` (some may park again)."""
         for tok, att in req.kv.take_waiting(layer):
-            if att == tok.attempt:
+            if att == tok.attempt and tok.view.layer == layer:
                 self._attend(tok)
+
+    # -- engine.kv_news: home (a directory at the request's home) ------------------------
+    def _attend_home(self, tok: _Token, kv, layer: int, theta: int) -> None:
+        """Attend if this server sees every earlier position; else park (its own stream may
+        bring them) and ask the home where the others are, once per layer and attempt."""
+        missing = kv.local_missing(layer, tok.view.index, theta)
+        if not missing:
+            self._kv_submit(tok, kv, layer, theta)
+            return
+        att = tok.attempt
+        kv.park(layer, (tok, att))
+        self.stats.kv_waits += 1
+        if tok.kv_ask == (att, layer):
+            return
+        tok.kv_ask = (att, layer)
+        home = tok.req.home
+        self.stats.kv_asks += 1
+        at = self.now if home == theta else self._control(theta, home)
+        self.at(at, self._kv_ask_in, (tok, att, layer, missing))
+
+    def _control(self, m: int, n: int) -> float:
+        if self.control_s is not None:
+            return self.send_control(m, n, self.now)
+        return self.now + self.delay[m][n]
+
+    def _kv_ask_in(self, ask) -> None:
+        """An ask reaches the home: answered now if it has heard of every position it names,
+        else held until it has."""
+        tok, att, layer, missing = ask
+        if att != tok.attempt or tok.req.failed:
+            return
+        kv = tok.req.kv
+        where = kv.located(layer, missing)
+        if where is None:
+            kv.asks.setdefault(layer, []).append(ask)
+            return
+        self._kv_tell(tok, att, layer, where)
+
+    def _kv_tell(self, tok: _Token, att: int, layer: int, where: dict) -> None:
+        home, theta = tok.req.home, tok.view.server
+        at = self.now if home == theta else self._control(home, theta)
+        self.at(at, self._kv_where, (tok, att, layer, where))
+
+    def _kv_notices_in(self, arg) -> None:
+        """A step's notices reach the home (or it computed them itself): held asks that
+        every position they name is now known for are answered."""
+        src, items = arg
+        touched: dict = {}  # (request, layer) in the order heard: a set's order would vary by run
+        for req, layer, positions in items:
+            if req.failed:
+                continue
+            kv = req.kv
+            kv.notice(layer, positions, src)
+            if kv.asks.get(layer):
+                touched[req, layer] = None
+        for req, layer in touched:
+            kv = req.kv
+            held = kv.asks.pop(layer)
+            for ask in held:
+                tok, att, _, missing = ask
+                if att != tok.attempt:
+                    continue
+                where = kv.located(layer, missing)
+                if where is None:
+                    kv.asks.setdefault(layer, []).append(ask)
+                else:
+                    self._kv_tell(tok, att, layer, where)
+
+    def _kv_where(self, arg) -> None:
+        """The home's answer reaches the token's server: fetch what it does not hold yet."""
+        tok, att, layer, where = arg
+        if att != tok.attempt or tok.req.failed or tok.kv_sent or tok.view.layer != layer:
+            return
+        theta = tok.view.server
+        held = tok.req.kv.held.get((layer, theta), ())
+        need = {}
+        for src, positions in where.items():
+            if src != theta:
+                rest = [j for j in positions if j not in held]
+                if rest:
+                    need[src] = rest
+        tok.kv_ask = None  # answered: what is still missing after the fetches is asked again
+        if not need:
+            self._attend(tok)
+            return
+        tok.kv_pending = len(need)
+        for src, positions in need.items():
+            self.at(self._control(theta, src), self._kv_answer, (tok, att, src, positions))
 
     def _kv_answer(self, arg) -> None:
         """A holder sends the K/V asked for (their bytes, over its link to the asker)."""
@@ -698,6 +801,7 @@ class SimBackend:
         step = self.step_dispatch
         cohort: list[_Token] = []
         fan_in: dict[int, list] = {}
+        notices: dict[int, list] = {}  # ``kv_news: home``: home -> what this step computed
         for job in jobs:
             owner = job.owner
             tok = owner[0]
@@ -707,6 +811,9 @@ class SimBackend:
             if job.replica == DENSE:
                 if self.causal:  # its K/V exist here now
                     tok.req.kv.done(job.layer, job.position, n)
+                    if self.kv_home:
+                        notices.setdefault(tok.req.home, []).append((tok.req, job.layer,
+                                                                     [job.position]))
                     self._kv_wake(tok.req, job.layer)
                 if step:
                     cohort.append(tok)
@@ -739,6 +846,12 @@ class SimBackend:
                 tok.bytes += self.msg_bytes
                 if att == tok.attempt and not tok.req.failed:
                     self._partial_in(tok, arr, t)
+        for home, items in notices.items():  # one message per home; its own, at once
+            if home == n:
+                self._kv_notices_in((n, items))
+            else:
+                self.stats.kv_notices += 1
+                self.at(self._control(n, home), self._kv_notices_in, (n, items))
         if cohort:
             self._decide_step(cohort)
         self._kick(n)
