@@ -25,7 +25,7 @@ from dataclasses import replace
 from hetroute.deployment import Deployment
 from hetroute.routers.hetroute import HetRoute
 from hetroute.routing.algorithm2 import SetLevelRouter
-from hetroute.routing.search import beam_search, enumerate_plain, one_exchange
+from hetroute.routing.search import enumerate_plain
 
 
 class HomeGathering(SetLevelRouter):
@@ -40,17 +40,12 @@ class HomeGathering(SetLevelRouter):
         return fns
 
     def _search(self, problem):
-        """Algorithm 2's search without the k = 2 enumeration's shortcut, which takes a
-        pair on one server to gather there (true under eq. 11 only)."""
+        """Algorithm 2's search, its exact enumeration without the k = 2 shortcut, which
+        takes a pair on one server to gather there (true under eq. 11 only)."""
         p = self.params
-        if not p.set_level:
-            return self._per_expert(problem)
-        if problem.product_size() <= p.enum_limit:
+        if p.set_level and problem.product_size() <= p.enum_limit:
             return enumerate_plain(problem)
-        found = beam_search(problem, p.beam_width)
-        if found is not None and p.exchange:
-            found = one_exchange(problem, *found)
-        return found
+        return super()._search(problem)
 
     def _fallback_search(self, problem, targets, theta, view):
         """Algorithm 2's emergency fallback, its choice evaluated again so that it gathers at

@@ -84,11 +84,9 @@ class RequestKv:
         return [j for j in range(position)
                 if comp.get(j, queued.get(j)) != server and j not in held]
 
-    def notice(self, layer: int, positions: list[int], server: int) -> None:
-        """The home hears that ``server`` computed these positions' K/V of ``layer``."""
-        seen = self.noticed.setdefault(layer, {})
-        for j in positions:
-            seen[j] = server
+    def notice(self, layer: int, position: int, server: int) -> None:
+        """The home hears that ``server`` computed ``position``'s K/V of ``layer``."""
+        self.noticed.setdefault(layer, {})[position] = server
 
     def located(self, layer: int, positions: list[int]) -> dict[int, list[int]] | None:
         """Where the home knows ``positions``' K/V of ``layer`` are, by server; None while it

@@ -187,9 +187,9 @@ def test_the_home_answers_only_once_it_has_heard_of_every_position_asked_for():
     assert kv.local_missing(2, 4, 1) == [3]  # 0 in its stream, 1 computed there, 2 fetched
     assert kv.local_missing(2, 4, 0) == [0, 1, 2, 3] and kv.local_missing(2, 0, 0) == []
     assert kv.located(2, [1, 3]) is None  # the home has heard of neither
-    kv.notice(2, [1], 1)
+    kv.notice(2, 1, 1)
     assert kv.located(2, [1, 3]) is None
-    kv.notice(2, [3], 4)
+    kv.notice(2, 3, 4)
     assert kv.located(2, [1, 3]) == {1: [1], 4: [3]} and kv.located(3, [1]) is None
 
 

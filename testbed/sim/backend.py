@@ -472,11 +472,7 @@ class SimBackend:
             tok.kv_pending = len(need)
             att = tok.attempt
             for src, positions in need.items():  # a request to each holder, answered at once
-                if self.control_s is not None:
-                    at = self.send_control(theta, src, self.now)
-                else:
-                    at = self.now + self.delay[theta][src]
-                self.at(at, self._kv_answer, (tok, att, src, positions))
+                self.at(self._control(theta, src), self._kv_answer, (tok, att, src, positions))
             return
         self._kv_submit(tok, kv, layer, theta)
 
@@ -512,6 +508,7 @@ class SimBackend:
         self.at(at, self._kv_ask_in, (tok, att, layer, missing))
 
     def _control(self, m: int, n: int) -> float:
+        """Arrival at n of a control frame m sends now (over the links, or their delay)."""
         if self.control_s is not None:
             return self.send_control(m, n, self.now)
         return self.now + self.delay[m][n]
@@ -539,11 +536,11 @@ class SimBackend:
         every position they name is now known for are answered."""
         src, items = arg
         touched: dict = {}  # (request, layer) in the order heard: a set's order would vary by run
-        for req, layer, positions in items:
+        for req, layer, position in items:
             if req.failed:
                 continue
             kv = req.kv
-            kv.notice(layer, positions, src)
+            kv.notice(layer, position, src)
             if kv.asks.get(layer):
                 touched[req, layer] = None
         for req, layer in touched:
@@ -801,7 +798,7 @@ class SimBackend:
         step = self.step_dispatch
         cohort: list[_Token] = []
         fan_in: dict[int, list] = {}
-        notices: dict[int, list] = {}  # ``kv_news: home``: home -> what this step computed
+        notices: dict[int, list] | None = {} if self.kv_home else None  # home -> what it computed
         for job in jobs:
             owner = job.owner
             tok = owner[0]
@@ -813,7 +810,7 @@ class SimBackend:
                     tok.req.kv.done(job.layer, job.position, n)
                     if self.kv_home:
                         notices.setdefault(tok.req.home, []).append((tok.req, job.layer,
-                                                                     [job.position]))
+                                                                     job.position))
                     self._kv_wake(tok.req, job.layer)
                 if step:
                     cohort.append(tok)
@@ -846,8 +843,8 @@ class SimBackend:
                 tok.bytes += self.msg_bytes
                 if att == tok.attempt and not tok.req.failed:
                     self._partial_in(tok, arr, t)
-        for home, items in notices.items():  # one message per home; its own, at once
-            if home == n:
+        for home, items in (notices.items() if notices else ()):  # one message per home
+            if home == n:  # its own, at once
                 self._kv_notices_in((n, items))
             else:
                 self.stats.kv_notices += 1
