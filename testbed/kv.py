@@ -33,7 +33,9 @@ How a waiting server learns where the K/V are (``engine.kv_news``):
 Fetched K/V take no memory under either.
 
 This module is the bookkeeping, with no time and no transport (the backend sends the
-fetches and charges them); one ledger per request.
+fetches and charges them); one ledger per request: the simulator's sees every server, each
+emulated worker keeps its own (``testbed/emu/node/kv.py``, ``home`` only: no worker sees
+what ``instant`` assumes).
 """
 
 from __future__ import annotations

@@ -339,14 +339,14 @@ class EngineSpec(_Model):
     #: ``independent`` is the paper's per-token model and the rule of every figure: a token
     #: attends wherever it resides as if its request's earlier positions' K/V were there
     #: (``python -m analysis causal-kv`` measures how often they were not); ``causal`` is what
-    #: a forward pass needs (testbed/kv.py). Simulator only: the emulated workers do not
-    #: exchange K/V.
+    #: a forward pass needs (testbed/kv.py). The emulated workers exchange K/V under
+    #: ``kv_news: home`` (testbed/emu/node/kv.py), without faults.
     attention: Literal["independent", "causal"] = Field(
         "independent", description="'independent': each token's attention runs where it "
         "resides, its request's earlier K/V taken as present (the paper's per-token model); "
         "'causal': a token's dense part of a layer waits until every earlier position of its "
         "request has computed that layer's K/V, and fetches those computed on other servers "
-        "(testbed/kv.py). Hardware physics, simulator only")
+        "(testbed/kv.py). Hardware physics; on the emulator with kv_news: home and no faults")
     #: ``instant`` is the lower bound every causal run before 2026-12-07 (afternoon) used
     kv_news: Literal["instant", "home"] = Field(
         "instant", description="under attention: causal, how a waiting token's server learns "
@@ -391,10 +391,17 @@ class ExperimentSpec(_Model):
         if self.engine.prefetch_link != "shared" and self.physics != "hardware":
             raise ValueError("engine.prefetch_link: 'own' needs physics: hardware (the paper's "
                              "world always gives prefetches a link of their own)")
-        if self.engine.attention != "independent" and (self.physics != "hardware"
-                                                        or self.backend != "sim"):
-            raise ValueError("engine.attention: 'causal' needs physics: hardware and backend: "
-                             "sim (the emulated workers do not exchange K/V yet)")
+        if self.engine.attention != "independent" and self.physics != "hardware":
+            raise ValueError("engine.attention: 'causal' needs physics: hardware (the paper's "
+                             "world has no streams for a token's attention to wait in)")
+        if self.engine.attention == "causal" and self.backend == "emu":
+            if self.engine.kv_news != "home":
+                raise ValueError("engine.attention: 'causal' on backend: emu needs kv_news: "
+                                 "'home' (no emulated worker sees where every K/V is, as "
+                                 "'instant' does)")
+            if self.faults:
+                raise ValueError("engine.attention: 'causal' on backend: emu runs without "
+                                 "faults (a lost holder's K/V are not recovered yet)")
         if self.engine.kv_news != "instant" and self.engine.attention != "causal":
             raise ValueError("engine.kv_news: 'home' needs attention: causal (under "
                              "'independent' no token waits for its request's K/V)")

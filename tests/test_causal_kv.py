@@ -146,6 +146,11 @@ def test_causal_attention_is_a_hardware_world_simulator_rule():
     for other in ({"backend": "emu"}, {"physics": "paper"}):
         with pytest.raises(SpecError, match="engine.attention"):
             parse_spec({"engine": {"attention": "causal"}, **other})
+    # the emulated workers run the home's directory (no worker sees every K/V), fault-free
+    home = {"engine": {"attention": "causal", "kv_news": "home"}, "backend": "emu"}
+    assert "kv_news: home" in parse_spec(home).to_yaml()
+    with pytest.raises(SpecError, match="without faults"):
+        parse_spec({**home, "faults": [{"kind": "kill_worker", "at_s": 0.5, "server": "s1"}]})
 
 
 CAUSAL = {**TINY, "workload": {**TINY["workload"], "gen_tokens": 4}}

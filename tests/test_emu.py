@@ -420,3 +420,23 @@ def test_inrun_quality_workers_run_the_proxy_on_real_hidden_states(tmp_path: Pat
     kl, _, _ = replay_plans(model, model.bank(), plans)
     got = inrun.set_index("request").loc[ids, "kl_first_token"].to_numpy()
     assert np.allclose(got, kl[:, 0], rtol=1e-3, atol=1e-9), (got, kl[:, 0])
+
+
+def test_causal_attention_on_the_emulator_fetches_what_the_records_say_was_needed(tmp_path: Path) -> None:
+    """``engine.attention: causal`` with ``kv_news: home`` on the emulated workers
+    (``testbed/emu/node/kv.py``): no token's dense part of a layer ends before an earlier
+    position's, the K/V frames moved exactly the bytes the records say had to move (each
+    position to each other server that ran a later one, once), and the home was asked and
+    told over the links. A worker that submitted a token's dense part before its earlier
+    positions' K/V were there, or fetched twice, fails it."""
+    from analysis.causal_kv import measure_run
+    work = {**SPEC["workload"], "gen_tokens": 3, "prompt_tokens": 6, "rate_per_s": 10}
+    spec, res, tl, rq, n = _run(tmp_path, router={"name": "hetroute"}, workload=work,
+                                engine={"attention": "causal", "kv_news": "home"})
+    assert len(rq) == n and (rq.status == "ok").all(), rq[rq.status != "ok"].reason.tolist()
+    stats = res.info["stats"]
+    assert stats["handler_errors"] == 0
+    assert stats["kv_asks"] > 0 and stats["kv_notices"] > 0 and stats["kv_fetches"] > 0
+    r = measure_run(tmp_path / "run", every_request=True)
+    assert r.kv_remote > 0 and r.causal == 0.0 and r.lead_mean_s == 0.0
+    assert stats["kv_bytes"] == r.kv_bytes

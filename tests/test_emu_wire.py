@@ -79,6 +79,25 @@ def state_msgs(draw: st.DrawFn) -> State:
                  tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n))), received)
 
 
+@st.composite
+def _kv_req(draw: st.DrawFn) -> tuple:
+    """(src, request, token, layer, seq, earlier positions) of a K/V message."""
+    token = draw(st.integers(1, 2**32 - 1))
+    pos = tuple(sorted(draw(st.sets(st.integers(0, min(token - 1, 5000)), min_size=1, max_size=20))))
+    return draw(_u16), draw(_u64), token, draw(_u16), draw(_u64), pos
+
+
+_kv_where = _kv_req().flatmap(lambda r: st.lists(_u16, min_size=len(r[5]), max_size=len(r[5])).map(
+    lambda srv: w.KvWhere(*r[:5], tuple(w.KvHolder(s, j) for s, j in zip(srv, r[5])))))
+
+
+@st.composite
+def kv_data_frames(draw: st.DrawFn) -> Frame:
+    """K/V data: no tensor, the K/V's bytes as padding (``node/kv.py``)."""
+    m = w.KvData(*draw(_kv_req()), dtype=DType.FLOAT32, shape=(0,))
+    return w.sized_frame(m, torch.empty(0), draw(st.integers(0, 20000)))
+
+
 _control = {
     "state": state_msgs(),
     "fail": st.builds(w.fail, _u16, _u16, _u64, _u32, st.text(max_size=120)),
@@ -91,11 +110,17 @@ _control = {
                           _u16, st.lists(st.booleans(), max_size=12).map(tuple)),
     "custody": st.builds(w.Custody, _u16, _fin,
                          st.lists(st.builds(w.Held, _u64, _u32), max_size=20).map(tuple)),
+    "kvnotice": st.builds(w.KvNotice, _u16, st.lists(st.builds(w.KvPos, _u64, _u16, _u32),
+                                                     min_size=1, max_size=20).map(tuple)),
+    "kvask": _kv_req().map(lambda r: w.KvAsk(*r)),
+    "kvwhere": _kv_where,
+    "kvfetch": _kv_req().map(lambda r: w.KvFetch(*r)),
 }
 control_frames = st.one_of(*_control.values()).map(Frame)
-any_frame = st.one_of(data_frames(), control_frames)
+any_frame = st.one_of(data_frames(), kv_data_frames(), control_frames)
 _BY_TYPE = {"hidden": data_frames(hidden_msgs()), "partial": data_frames(partial_msgs()),
-            "token": data_frames(token_msgs), **{k: v.map(Frame) for k, v in _control.items()}}
+            "token": data_frames(token_msgs), "kvdata": kv_data_frames(),
+            **{k: v.map(Frame) for k, v in _control.items()}}
 
 
 def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -606,3 +631,20 @@ def test_the_decoder_says_how_many_bytes_complete_the_next_frame():
         i += n
         assert (dec.need == ENVELOPE_SIZE) == (i % len(raw) == 0)
     assert len(got) == 2 and dec.need == ENVELOPE_SIZE
+
+
+def test_k_v_messages_name_only_earlier_positions_once_each_and_carry_no_tensor() -> None:
+    """A K/V message about token i names positions < i, in increasing order, none twice; a
+    KV_DATA frame's bytes are padding (the emulated experts keep no real cache)."""
+    for bad in ((0, 0), (2, 1), (5,)):
+        with pytest.raises(WireError, match="positions"):
+            w.encode(Frame(w.KvAsk(1, 2, 5, 3, 4, bad)))
+    with pytest.raises(WireError, match="holders"):
+        w.encode(Frame(w.KvWhere(1, 2, 5, 3, 4, (w.KvHolder(0, 3), w.KvHolder(2, 1)))))
+    with pytest.raises(WireError, match="at least one"):
+        w.encode(Frame(w.KvNotice(1, ())))
+    with pytest.raises(WireError, match="no tensor"):
+        w.encode(w.tensor_frame(w.KvData(1, 2, 5, 3, 4, (0, 1)), torch.ones(2)))
+    f = w.sized_frame(w.KvData(1, 2, 5, 3, 4, (0, 1), dtype=DType.FLOAT32, shape=(0,)),
+                      torch.empty(0), 8192)
+    assert len(w.encode(f)) == 8192 and w.decode(w.encode(f)).same_as(f)

@@ -119,6 +119,9 @@ class EmuBackend:
             stats["wire"] = wire_accounting(stats["links"], stats["workers"])
         for key in ("tcp_waits", "tcp_wait_s", "handler_errors"):  # summed over workers
             stats[key] = sum(w.get(key, 0) for w in stats["workers"])
+        if spec.engine.attention == "causal":  # the simulator's counters (node/kv.py)
+            for key in ("kv_waits", "kv_asks", "kv_notices", "kv_fetches", "kv_bytes"):
+                stats[key] = sum(w.get(key, 0) for w in stats["workers"])
         fid = fidelity_summary(stats)
         stats["fidelity_flags"] = fid["flags"]
         (out / "fidelity.json").write_text(json.dumps({**fid, "detail": stats}, indent=1, default=str))

@@ -90,7 +90,7 @@ from collections import deque
 from typing import Callable, Iterator
 
 from .wire import (DEFAULT_MAX_PAYLOAD, MAX_HOLD_S, NONCE_BYTES, STAMPED_MESSAGES, TENSOR_MESSAGES, Auth, Challenge,
-                   Frame, FrameDecoder, Pong, WireError, auth_mac, due_end_field, encode_header,
+                   Frame, FrameDecoder, KvData, Pong, WireError, auth_mac, due_end_field, encode_header,
                    write_late_field)
 from ..acks import AckLine
 from ..tcp import MSS_BYTES
@@ -340,6 +340,7 @@ class Transport:
                  link_s_per_byte: dict[int, float] | None = None,
                  kernel_stamps: bool = True, socket_buffer: int = 0,
                  control_bytes: int = 64, ack_s_per_frame: dict[int, float] | None = None,
+                 data_frame_bytes: int = 0,
                  on_heard: Callable[[int, float], None] | None = None) -> None:
         if len(secret) < 16:
             raise ValueError("the run secret must have at least 16 bytes")
@@ -374,6 +375,9 @@ class Transport:
         #: frame received from it, and the ACK blocks waiting to take it (testbed/acks.py)
         self.ack_s_per_frame = ack_s_per_frame or {}
         self._acks: dict[int, AckLine] = {p: AckLine() for p in self.ack_s_per_frame}
+        #: the wire bytes of the hidden-state frame those ACKs are per: a KV_DATA frame's
+        #: are scaled by its own bytes (the simulator's ACKs go by bytes)
+        self.data_frame_bytes = data_frame_bytes
         self._real_free: dict[int, float] = {}
         self.on_frame, self._on_peer_lost, self.log = on_frame, on_peer_lost, log
         #: ``on_heard(src, arrival)`` for every frame as its bytes arrive, before the delay
@@ -635,7 +639,10 @@ class Transport:
         # never before the model's instant: its link's end of sending it plus the delay
         floor = frame.msg.due_end_s + d if frame.msg.due_end_s > 0.0 else 0.0
         if floor and isinstance(frame.msg, TENSOR_MESSAGES) and src in self._acks:
-            self._acks[src].add(floor, self.ack_s_per_frame[src])  # its ACKs, in the model
+            ack = self.ack_s_per_frame[src]  # its ACKs, in the model
+            if isinstance(frame.msg, KvData) and self.data_frame_bytes:  # by its bytes
+                ack *= (len(encode_header(frame, self.max_payload)) + frame.pad_len) / self.data_frame_bytes
+            self._acks[src].add(floor, ack)
         d -= hidden
         due = arrival + max(0.0, d)
         if floor > due:

@@ -34,7 +34,7 @@ import hmac
 import math
 import socket
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from enum import IntEnum
 from typing import Callable, NamedTuple, Union
 
@@ -45,16 +45,21 @@ from hetroute.state import Mode
 MAGIC = b"HRTW"
 #: a congestion-window wait longer than this is a sender's bug, not a window
 MAX_HOLD_S = 3600.0
-VERSION = 10  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
+VERSION = 11  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
 #: 5: HIDDEN, PARTIAL and TOKEN carry their congestion-window wait (``hold_s``); 6: HIDDEN
 #: carries the router's delay estimate (``est_delay_us``); 7: CUSTODY; 8: HIDDEN, PARTIAL
 #: and TOKEN carry how late their sender wrote them (``write_late_s``); 9: and when the
-#: model's link finished sending them (``due_end_s``); 10: STATE and FEEDBACK carry both too
+#: model's link finished sending them (``due_end_s``); 10: STATE and FEEDBACK carry both too;
+#: 11: the K/V exchange of causal attention (KV_NOTICE, KV_ASK, KV_WHERE, KV_FETCH, KV_DATA)
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
 MAX_SERVERS = 4096  # entries of a per-server list (STATE)
 MAX_HELD = 4096  # (request, token) entries of one CUSTODY frame (more are sent as more frames)
+#: positions one K/V message names (a prompt longer than this is not on any figure); a step's
+#: KV_NOTICE entries (more go as more frames)
+MAX_KV_POSITIONS = 8192
+MAX_KV_ENTRIES = 4096
 MAX_REASON = 255  # UTF-8 bytes of a FAIL reason
 MAX_META = 0xFFFF  # bytes of a message's fields (its ``meta_len`` is 16-bit)
 NONCE_BYTES = 16
@@ -82,6 +87,11 @@ class Kind(IntEnum):
     AUTH = 10
     FEEDBACK = 11
     CUSTODY = 12
+    KV_NOTICE = 13
+    KV_ASK = 14
+    KV_WHERE = 15
+    KV_FETCH = 16
+    KV_DATA = 17
 
 
 class DType(IntEnum):
@@ -338,13 +348,96 @@ class Auth:
     mac: bytes
 
 
+
+# -- causal attention's K/V exchange (``engine.attention: causal``, ``kv_news: home``;
+# ``testbed/kv.py`` says the rule, ``node/kv.py`` runs it). Every message but KV_DATA is a
+# control frame: stamped, behind the data on its link, as the simulator's ``_control``.
+
+class KvPos(NamedTuple):
+    """One position's K/V of one layer, computed by a KV_NOTICE's sender."""
+
+    request: int
+    layer: int
+    position: int
+
+
+class KvHolder(NamedTuple):
+    """Where the home heard one position's K/V are (KV_WHERE)."""
+
+    server: int
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvNotice:
+    """To a request's home: the positions whose dense parts a step of the sender computed
+    (one frame per step and home)."""
+
+    src: int
+    entries: tuple[KvPos, ...]
+    write_late_s: float = 0.0
+    due_end_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvAbout:
+    """Which token's K/V exchange a message belongs to (not a wire message itself)."""
+
+    src: int
+    request: int
+    token: int
+    layer: int
+    seq: int  # the waiting token's dispatch number (its attempt)
+    _: KW_ONLY
+    write_late_s: float = 0.0  # the transport's stamps (``Hidden`` says what they are)
+    due_end_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvRequest(KvAbout):
+    """Earlier positions' K/V of ``layer`` that token ``token`` at the sender needs (not a
+    wire message itself: KV_ASK and KV_FETCH are)."""
+
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KvAsk(KvRequest):
+    """To the home: where are these positions' K/V, which the sender cannot see?"""
+
+
+@dataclass(frozen=True, slots=True)
+class KvWhere(KvAbout):
+    """The home's answer to a KV_ASK, once it has heard of every position asked for."""
+
+    holders: tuple[KvHolder, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KvFetch(KvRequest):
+    """To a holder: send these positions' K/V (KV_DATA)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvData(KvAbout):
+    """The K/V a KV_FETCH asked for: a data frame padded to their bytes (the emulator's
+    scaled-down experts keep no real cache; the link carries the real model's size)."""
+
+    positions: tuple[int, ...]
+    dtype: DType = DType.NONE  # an empty FLOAT32 tensor: the bytes are the padding
+    shape: tuple[int, ...] = ()
+    hold_s: float = 0.0
+
+
 Message = Union[Hidden, Partial, Token, State, Fail, Shutdown, Ping, Pong, Challenge, Auth,
-                Feedback, Custody]
-TENSOR_MESSAGES = (Hidden, Partial, Token)
+                Feedback, Custody, KvNotice, KvAsk, KvWhere, KvFetch, KvData]
+#: data frames: a tensor payload (KV_DATA's is empty, its bytes the padding), a link's FIFO
+TENSOR_MESSAGES = (Hidden, Partial, Token, KvData)
+KV_CONTROL = (KvNotice, KvAsk, KvWhere, KvFetch)
 #: frames the transport stamps with ``write_late_s`` and ``due_end_s`` when sent with a due
 #: time: the data frames, and the control frames the simulator sends over the links
 #: (``net.control: links``), which queue behind the data on their link
-STAMPED_MESSAGES = (*TENSOR_MESSAGES, State, Feedback)
+STAMPED_MESSAGES = (*TENSOR_MESSAGES, State, Feedback, *KV_CONTROL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,7 +540,9 @@ ENVELOPE_SIZE = _ENVELOPE.size
 _KIND_OF: dict[type, Kind] = {Hidden: Kind.HIDDEN, Partial: Kind.PARTIAL, Token: Kind.TOKEN,
                               State: Kind.STATE, Fail: Kind.FAIL, Shutdown: Kind.SHUTDOWN,
                               Ping: Kind.PING, Pong: Kind.PONG, Challenge: Kind.CHALLENGE,
-                              Auth: Kind.AUTH, Feedback: Kind.FEEDBACK, Custody: Kind.CUSTODY}
+                              Auth: Kind.AUTH, Feedback: Kind.FEEDBACK, Custody: Kind.CUSTODY,
+                              KvNotice: Kind.KV_NOTICE, KvAsk: Kind.KV_ASK, KvWhere: Kind.KV_WHERE,
+                              KvFetch: Kind.KV_FETCH, KvData: Kind.KV_DATA}
 _CLASS_OF = {k: c for c, k in _KIND_OF.items()}
 
 _REQ = (("request", "Q"), ("token", "I"), ("layer", "H"), ("seq", "Q"))
@@ -474,6 +569,12 @@ _SCALARS: dict[type, tuple[tuple[str, str], ...]] = {
     Feedback: (("src", "H"), *_REQ, ("window", "Q"), ("fan_out_end", "d"), ("compute_end", "d"),
                ("t_done", "d"), ("nbytes", "Q"), ("participants", "H"), ("write_late_s", "d"),
                ("due_end_s", "d")),
+    KvNotice: (("src", "H"), ("write_late_s", "d"), ("due_end_s", "d")),
+    KvAsk: (("src", "H"), *_REQ, ("write_late_s", "d"), ("due_end_s", "d")),
+    KvWhere: (("src", "H"), *_REQ, ("write_late_s", "d"), ("due_end_s", "d")),
+    KvFetch: (("src", "H"), *_REQ, ("write_late_s", "d"), ("due_end_s", "d")),
+    KvData: (("src", "H"), *_REQ, ("dtype", "B"), ("hold_s", "d"), ("write_late_s", "d"),
+             ("due_end_s", "d")),
 }
 _STRUCTS = {c: struct.Struct("<" + "".join(f for _, f in lay)) for c, lay in _SCALARS.items()}
 
@@ -496,6 +597,11 @@ _LISTS: dict[type, tuple[_List, ...]] = {
     Fail: (_List("reason", "B", "B", MAX_REASON),),
     Feedback: (_List("gpus", "H", "B", MAX_PICKS),),
     Custody: (_List("held", "H", "QI", MAX_HELD, Held),),
+    KvNotice: (_List("entries", "H", "QHI", MAX_KV_ENTRIES, KvPos),),
+    KvAsk: (_List("positions", "H", "I", MAX_KV_POSITIONS),),
+    KvWhere: (_List("holders", "H", "HI", MAX_KV_POSITIONS, KvHolder),),
+    KvFetch: (_List("positions", "H", "I", MAX_KV_POSITIONS),),
+    KvData: (_SHAPE, _List("positions", "H", "I", MAX_KV_POSITIONS)),
 }
 _BOOL_SCALARS = {"final"}
 _FLOAT_NAMES = {n for lay in _SCALARS.values() for n, f in lay if f == "d"}
@@ -547,6 +653,19 @@ def _check(m: Message) -> None:
         raise WireError("received needs one entry per server, like alive")
     if isinstance(m, Fail) and len(m.reason.encode("utf-8")) > MAX_REASON:
         raise WireError(f"reason longer than {MAX_REASON} bytes")
+    if isinstance(m, KvData) and math.prod(m.shape) != 0:
+        raise WireError("KV_DATA carries no tensor: its K/V's bytes are its padding")
+    if isinstance(m, (KvAsk, KvFetch, KvData)):
+        if not m.positions or list(m.positions) != sorted(set(m.positions)):
+            raise WireError("positions must list distinct positions in increasing order")
+        if max(m.positions) >= m.token:
+            raise WireError("a token's K/V messages name only earlier positions")
+    if isinstance(m, KvWhere):
+        pos = [h.position for h in m.holders]
+        if not pos or pos != sorted(set(pos)) or pos[-1] >= m.token:
+            raise WireError("holders must name distinct earlier positions in increasing order")
+    if isinstance(m, KvNotice) and not m.entries:
+        raise WireError("a KV_NOTICE names at least one position")
     if isinstance(m, Challenge) and len(m.nonce) != NONCE_BYTES:
         raise WireError(f"a nonce has {NONCE_BYTES} bytes")
     if isinstance(m, Auth) and len(m.mac) != MAC_BYTES:

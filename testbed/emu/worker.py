@@ -10,7 +10,8 @@ the aggregator sums, records and hands the token on (``aggregation``), peers
 exchange window state and acknowledgements (``peers``), losses are resolved
 where the hidden state is, or at the home from its custody reports (``faults``),
 requests advance at their home
-(``requests``), and ``quality.inrun`` runs the trained proxy (``inrun``).
+(``requests``), ``quality.inrun`` runs the trained proxy (``inrun``), and under causal
+attention a token waits for, and fetches, its request's earlier K/V (``kv``).
 Times are reported in emulated seconds (wall / T).
 
 Protocol with the runner, one line each on stdin/stdout: the worker prints
@@ -50,6 +51,7 @@ from .node.aggregation import Aggregation
 from .node.compute import Compute
 from .node.faults import Faults
 from .node.inrun import InrunQuality
+from .node.kv import KvExchange
 from .node.peers import Peers
 from .node.requests import Requests
 from .node.routing import Routing
@@ -87,7 +89,7 @@ class WorkerConfig:
         return cls(**d)
 
 
-class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
+class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests, KvExchange):
     """The setup, the clocks, start-up and the final statistics; the rest is in the mixins."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
@@ -147,6 +149,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         self._init_aggregation()
         self._init_compute()
         self._init_requests()
+        self._init_kv()
 
     # -- clocks ------------------------------------------------------------------
     def now(self) -> float:
@@ -189,7 +192,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
         trace = self.writer.step if self.writer.st is not None else None
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
                                     self.wall, self._log,
-                                    self._flush_step if self.step_dispatch else None,
+                                    self._flush_step if self.step_dispatch or self.causal else None,
                                     on_step=None if trace is None else
                                     (lambda step: trace(step_row(self.rank, step, prec.__getitem__))),
                                     on_step_ran=self._step_ran)
@@ -209,7 +212,8 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests):
                              kernel_stamps=self.spec.emu.arrivals == "kernel",
                              socket_buffer=self.spec.emu.socket_buffer_bytes,
                              control_bytes=self.spec.sim.header_bytes,
-                             ack_s_per_frame=self._ack_s_per_frame(), on_heard=self._heard)
+                             ack_s_per_frame=self._ack_s_per_frame(),
+                             data_frame_bytes=self.wire_bytes, on_heard=self._heard)
         await self.net.start()
         _ = self.bank.run(next(iter(self.bank.replicas)), torch.zeros(1, self.d)) \
             if self.bank.replicas else None  # warm the kernels up

@@ -111,6 +111,7 @@ class _Token:
         self.targets = targets  # per layer: tuple of global expert ids
         self.attempt = 0  # id of the current routing attempt, unique over the token's life
         self.retries = 0  # re-routes of the current layer forced by faults
+        self.kv_pending = 0  # ``engine.attention: causal``: its fetches out, K/V not in yet
         self.kv_ask = None  # ``kv_news: home``: (attempt, layer) of the ask out for this layer
         self.kv_sent = False  # its dense part of the current layer is in its server's stream
 
@@ -439,6 +440,7 @@ class SimBackend:
             return
         if self.causal:
             tok.kv_sent = False
+            tok.kv_pending = 0
             self._attend(tok)
             return
         self._submit_dense(tok, theta, t)
@@ -499,7 +501,7 @@ class SimBackend:
         att = tok.attempt
         kv.park(layer, (tok, att))
         self.stats.kv_waits += 1
-        if tok.kv_ask == (att, layer):
+        if tok.kv_ask == (att, layer) or tok.kv_pending:  # asked, or fetching what it was told
             return
         tok.kv_ask = (att, layer)
         home = tok.req.home

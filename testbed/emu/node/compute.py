@@ -111,6 +111,8 @@ class Compute:
             t_end = self.now()
         if job.replica == DENSE:  # the dense part ran: route the layer
             tok, h, t_layer = work.owner
+            if self.causal:  # its K/V exist here now (kv.py)
+                self._kv_done(tok, t_end)
             if self.step_dispatch:
                 self._cohort.append((tok, h, t_layer, t_end))
             else:
@@ -126,13 +128,16 @@ class Compute:
 
     def _flush_step(self) -> None:
         """A step's jobs are all released: its partials go to each aggregator as one group,
-        and its dense parts are decided and dispatched together (routing.py)."""
+        then (causal attention) what it computed to each request's home, and its dense parts
+        are decided and dispatched together (routing.py)."""
         outs, self._out_partials = self._out_partials, {}
         with self._together():  # one write per aggregator
             for parts in outs.values():
                 self._groups += 1
                 for p, t_end in parts:
                     self._send_partial(p, t_end, self._groups, len(parts))
+            if self._kv_out:  # causal attention: the step's notices to each home (kv.py)
+                self._kv_flush(self.stream.released_at)
         if self._cohort:
             cohort, self._cohort = self._cohort, []
             self._decide_step(cohort)

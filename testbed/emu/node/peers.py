@@ -26,8 +26,8 @@ from typing import Iterator
 
 import torch
 
-from ..wire import (TENSOR_MESSAGES, Custody, Fail, Feedback, Frame, Hidden, Partial, State, Token,
-                    patched, sized_frame, tensor_frame)
+from ..wire import (KV_CONTROL, TENSOR_MESSAGES, Custody, Fail, Feedback, Frame, Hidden, KvData,
+                    Partial, State, Token, patched, sized_frame, tensor_frame)
 
 #: a peer silent this many windows is lost (it sends STATE every window). Over 8,288
 #: healthy peer pairs of the emulated runs kept here (2026-11-26/27, 2-core host, T = 32-127)
@@ -153,7 +153,9 @@ class Peers:
         n = hold_n if hold_n is not None else getattr(m, "group_n", 1)
         got = None
         clock = self.holds[dst]
-        if n > 1:
+        if isinstance(m, KvData):  # one message of its bytes (``hold_n``: in hidden states)
+            hold = clock.hold(at, n)
+        elif n > 1:
             key = (dst, type(m), m.group)
             got = self._group_holds.pop(key, None)
             hold, left = got if got is not None else (clock.hold(at, n), n)
@@ -252,6 +254,8 @@ class Peers:
                 self._on_fail(m)
             elif isinstance(m, Custody):
                 self._on_custody(m)
+            elif isinstance(m, (*KV_CONTROL, KvData)):
+                self._on_kv(m, arrival)
         except Exception:  # one bad token must not take the server down
             self.stats["handler_errors"] = self.stats.get("handler_errors", 0) + 1
             self._log(f"error handling a {type(m).__name__} frame:\n" + traceback.format_exc())

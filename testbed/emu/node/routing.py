@@ -99,6 +99,9 @@ class Routing:
         if not self.hardware:  # the paper's world: a per-token delay outside the stream
             self.loop.call_at(self.wall(t_layer + self.dense_s), self._decide, tok, h, t_layer, 0)
             return
+        if self.causal:  # once its request's earlier K/V of the layer are here (kv.py)
+            self._attend(tok, h, t_layer, t_layer)
+            return
         rid, index = tok.request, tok.token
         self.stream.submit(Job(tok.layer, DENSE, (rid, index), rid, index, t_layer,
                                Work(owner=(tok, h, t_layer)), self._prio(rid)))
