@@ -1,5 +1,6 @@
 """``python -m analysis figure --fig N --backend B --scale S``, ``figures``, ``report``,
-``compare-steps``, ``first-fork``, ``causal-kv``, ``seed-scatter``, ``agreement-table``."""
+``compare-steps``, ``first-fork``, ``causal-kv``, ``kv-memory``, ``seed-scatter``,
+``agreement-table``."""
 
 from __future__ import annotations
 
@@ -119,6 +120,24 @@ def causal_kv(runs: list[Path] = typer.Argument(..., help="run folders, or folde
                 typer.echo(format_row(f"{f.parent.name}/{f.name}", r))
         for point, readings in points.items():
             typer.echo(format_row(f"{point.name} ({len(readings)} seeds)", mean_reading(readings)))
+    except (ValueError, OSError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command("kv-memory")
+def kv_memory(runs: list[Path] = typer.Argument(..., help="run folders, or folders of runs "
+                                                "(a sweep's, e.g. results/fig9/sim-quick)")) -> None:
+    """The most K/V cache each run's servers held at once (their own positions', and with
+    the copies causal attention fetches) against the room the memory model leaves them
+    ((1 - memory.gpu_share) x G_n), which neither backend enforces."""
+    from .causal_kv import run_folders
+    from .kv_memory import HEADER, format_row, measure_run
+    try:
+        folders = run_folders(runs)
+        typer.echo(HEADER)
+        for f in folders:
+            typer.echo(format_row(f"{f.parent.name}/{f.name}", measure_run(f)))
     except (ValueError, OSError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
