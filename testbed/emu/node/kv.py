@@ -27,8 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from ...kv import RequestKv
-from ...steps import DENSE, Job
-from ..stream import Work
 from ..wire import (MAX_KV_ENTRIES, DType, Frame, KvAsk, KvData, KvFetch, KvHolder, KvNotice,
                     KvPos, KvWhere, Token, sized_frame)
 
@@ -78,8 +76,7 @@ class KvExchange:
         if not missing:
             self.kv_parked.pop(key, None)
             kv.submitted(layer, index, self.rank)
-            self.stream.submit(Job(layer, DENSE, (rid, index), rid, index, t,
-                                   Work(owner=(tok, h, t_layer)), self._prio(rid)))
+            self._submit_dense(tok, h, t_layer, t)
             self._kv_wake(rid, layer, t)
             return
         p = self.kv_parked.get(key)
@@ -125,9 +122,10 @@ class KvExchange:
         if isinstance(m, KvNotice):
             self._on_kv_notice(m, t)
         elif type(m) is KvAsk:
-            where = self._kv(m.request).located(m.layer, list(m.positions))
+            kv = self._kv(m.request)
+            where = kv.located(m.layer, list(m.positions))
             if where is None:  # held until the home has heard of every position
-                self._kv(m.request).asks.setdefault(m.layer, []).append(m)
+                kv.asks.setdefault(m.layer, []).append(m)
             else:
                 self._kv_tell(m, where, t)
         elif isinstance(m, KvWhere):

@@ -102,8 +102,12 @@ class Routing:
         if self.causal:  # once its request's earlier K/V of the layer are here (kv.py)
             self._attend(tok, h, t_layer, t_layer)
             return
+        self._submit_dense(tok, h, t_layer, t_layer)
+
+    def _submit_dense(self, tok: Token, h: torch.Tensor, t_layer: float, t: float) -> None:
+        """The token's dense part joins this server's stream at model time ``t``."""
         rid, index = tok.request, tok.token
-        self.stream.submit(Job(tok.layer, DENSE, (rid, index), rid, index, t_layer,
+        self.stream.submit(Job(tok.layer, DENSE, (rid, index), rid, index, t,
                                Work(owner=(tok, h, t_layer)), self._prio(rid)))
 
     def _decide(self, tok: Token, h: torch.Tensor, t_layer: float, retries: int,
