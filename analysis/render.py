@@ -8,6 +8,8 @@ import importlib
 import json
 from pathlib import Path
 
+import pandas as pd
+
 from testbed.capacity import criterion, describe, read_capacities
 from testbed.spec import parse_spec
 from testbed.sweep import figure_path, load_figure
@@ -102,4 +104,15 @@ def claims_file(data: FigureData) -> dict:
         "seeds": sorted(set(int(s) for s in data.runs.seed)) if not data.runs.empty else [],
         "generated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "claims": evaluate_all(data.spec.claims, data.runs),
+        **kv_room_use(data.runs),
     }
+
+
+def kv_room_use(runs: pd.DataFrame) -> dict:
+    """How near the figure's runs came to a server's K/V room (``kv_peak_share`` of their
+    metrics; runs made before it have none): the largest share and how many went past 1."""
+    if runs.empty or "kv_peak_share" not in runs:
+        return {"kv_peak_share_max": None, "kv_over_room": None}
+    share = runs["kv_peak_share"].dropna()
+    return {"kv_peak_share_max": float(share.max()) if len(share) else None,
+            "kv_over_room": int((share > 1.0).sum()) if len(share) else None}

@@ -97,6 +97,11 @@ def build_report(out: Path) -> Path:
             lines.append(f"- {p}: backend **{d['backend']}**, scale **{d['scale']}**, {d['runs']} "
                          f"runs, seeds {d['seeds']}" + (f", **{d['missing_runs']} runs missing**"
                                                         if d["missing_runs"] else "") + ".")
+            if d.get("kv_peak_share_max") is not None:
+                over = d["kv_over_room"]
+                lines.append(f"  K/V cache, {p}: at most {d['kv_peak_share_max']:.0%} of a server's room"
+                             + (f"; **{over} runs held more K/V than a server's memory leaves it "
+                                f"(their world is not physical there)**" if over else "") + ".")
             if d.get("capacity"):
                 lines.append(f"  Capacity, {p}: " + "; ".join(
                     f"{r} {describe(c)}" for r, c in d["capacity"].items())

@@ -14,6 +14,7 @@ from hetroute.routers import available
 
 from .hardware_cli import app as hardware_app
 from .lifecycle import sigterm_as_interrupt
+from .kv_memory import kv_warning
 from .metrics import format_decode, format_table
 from .spec import ExperimentSpec, SpecError, load_spec, parse_override, parse_spec
 
@@ -70,6 +71,8 @@ def run(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     typer.echo(format_table({s.router.name: res.metrics}))
     if decode := format_decode({s.router.name: res.metrics}):
         typer.echo(decode)
+    if line := kv_warning(res.metrics):
+        typer.echo(line, err=True)
     typer.echo(f"results: {res.out_dir}  (placement {res.info['placement_s']:.1f} s, "
                f"backend {res.info['backend_s']:.1f} s)")
 
@@ -121,6 +124,9 @@ def compare(spec: str = typer.Argument(..., help="experiment spec (YAML)"),
     typer.echo(format_table(rows))
     if decode := format_decode(rows):
         typer.echo(decode)
+    for label, met in rows.items():
+        if line := kv_warning(met):
+            typer.echo(f"{label}: {line}", err=True)
     notes = {n: get_router(n).memory_note for n in names}
     for n, note in notes.items():
         if note:

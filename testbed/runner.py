@@ -19,6 +19,7 @@ from pathlib import Path
 from workloads.quality_profile import profile_ce
 
 from .backends import run_backend
+from .kv_memory import kv_metrics, kv_room
 from .metrics import compute_metrics, memory_use
 from .provenance import provenance, write_json_atomic
 from .records import RecordWriter, read_records
@@ -151,6 +152,7 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
     metrics = compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s, spec.quality.budget,
                               decodes=_decodes(w))
     metrics.update(memory_use(setup.deployment, setup.shape, setup.problem.budget))
+    metrics.update(_kv(tl, rq, spec, setup.model, setup.cluster))
     if spec.quality.replay is True and out_dir is not None:
         info["quality_replay_s"] = _replay(out_dir, metrics)
     if spec.quality.inrun and out_dir is not None:
@@ -161,6 +163,13 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
         write_json_atomic(out_dir / "metrics.json", metrics)
         write_json_atomic(out_dir / "run.json", info)
     return RunResult(spec, metrics, out_dir, info, setup if keep_setup else None, frames)
+
+
+def _kv(tl, rq, spec: ExperimentSpec, model, cluster) -> dict:
+    """The K/V cache the run's servers held against their room (``testbed/kv_memory.py``)."""
+    return kv_metrics(tl, rq, float(model.kv_bytes_per_token()),
+                      kv_room(cluster.gpu_bytes, spec.memory.gpu_share),
+                      causal=spec.engine.attention == "causal", names=cluster.names)
 
 
 def _decodes(w) -> bool | None:
@@ -182,8 +191,10 @@ def refresh_metrics(out_dir: Path) -> tuple[dict, bool] | None:
     tl, rq = read_records(out_dir)
     w = spec.workload
     old = json.loads((out_dir / "metrics.json").read_text()) if (out_dir / "metrics.json").exists() else {}
+    checked = check_spec(spec)
     new = {**old, **compute_metrics(tl, rq, w.warmup_s, w.duration_s, spec.sla_s,
-                                    spec.quality.budget, decodes=_decodes(w))}
+                                    spec.quality.budget, decodes=_decodes(w)),
+           **_kv(tl, rq, spec, checked.model, checked.cluster)}
     changed = json.dumps(new, sort_keys=True) != json.dumps(old, sort_keys=True)  # NaN != NaN
     if changed:
         write_json_atomic(out_dir / "metrics.json", new)

@@ -1,0 +1,117 @@
+"""The K/V cache a run's servers held at once, read from its records, against their room.
+
+The memory model (``hetroute.deployment.MemoryBudget``) gives experts and dense weights
+``memory.gpu_share`` of each server's G_n and leaves the rest, (1 - gpu_share) x G_n, to KV
+cache and activations. Neither backend admits or evicts on a full cache, so every run's
+metrics carry what its world held (``kv_metrics``) and ``run``/``compare`` warn when a server
+held more than its room: that run's world is not one a real server could be in.
+
+- a position's K/V of layer l sit where its dense part of l ran, from that part's end
+  until its request finishes (a serving engine frees a request's cache then);
+- under causal attention (``engine.attention: causal``) a server also holds the earlier
+  positions' K/V it needed for a later position of the same layer that ran there (each
+  fetched once and kept, ``testbed/kv.py``), from that later position's layer start.
+
+Activations are not counted. The reading is columnar (two sorts of the token-layer
+records), so a run of millions of token-layers or of long prompts costs about a second.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+
+def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float,
+          n_servers: int) -> tuple[np.ndarray, np.ndarray]:
+    """(own, with copies): each server's most K/V bytes held at once. ``tl`` and ``rq`` are
+    a run's token-layer and request records; requests that did not finish are left out."""
+    ok = rq.loc[rq["status"] == "ok", ["request", "arrival_s", "latency_s"]]
+    rids = np.sort(ok["request"].to_numpy())
+    req = tl["request"].to_numpy()
+    keep = np.isin(req, rids)
+    if not keep.any():
+        return np.zeros(n_servers), np.zeros(n_servers)
+    ri = np.searchsorted(rids, req[keep])
+    tok = tl["token"].to_numpy()[keep].astype(np.int64)
+    lay = tl["layer"].to_numpy()[keep].astype(np.int64)
+    srv = tl["server"].to_numpy()[keep].astype(np.int64)
+    start = tl["t_start"].to_numpy(dtype=float)[keep]
+    done = start + tl["dense_s"].to_numpy(dtype=float)[keep]
+    ends = ok.set_index("request").loc[rids]
+    end = (ends["arrival_s"] + ends["latency_s"]).to_numpy(dtype=float)[ri]
+
+    # each row's rank among its (request, layer)'s positions: which earlier positions exist
+    P, L = int(tok.max()) + 1, int(lay.max()) + 1
+    by_pos = np.argsort((ri * L + lay) * P + tok, kind="stable")
+    rank = np.empty(ri.size, dtype=np.int64)
+    first = np.r_[True, (ri[by_pos][1:] != ri[by_pos][:-1]) | (lay[by_pos][1:] != lay[by_pos][:-1])]
+    group_start = np.maximum.accumulate(np.where(first, np.arange(ri.size), 0))
+    rank[by_pos] = np.arange(ri.size) - group_start
+    # a server fetches, at the start of each position of a layer that ran there, copies of
+    # the earlier positions of that layer it has not seen: those since its previous one
+    by_srv = np.argsort(((ri * L + lay) * n_servers + srv) * P + tok, kind="stable")
+    r = rank[by_srv]
+    s_ri, s_lay, s_srv = ri[by_srv], lay[by_srv], srv[by_srv]
+    same = np.r_[False, (s_ri[1:] == s_ri[:-1]) & (s_lay[1:] == s_lay[:-1]) & (s_srv[1:] == s_srv[:-1])]
+    prev = np.where(same, np.r_[-1, r[:-1]], -1)
+    copies = (r - prev - 1).astype(float)
+    fetched = copies > 0
+
+    def held(t: np.ndarray, s: np.ndarray, e: np.ndarray, w: np.ndarray) -> np.ndarray:
+        # at one instant arrivals come before releases: the most held is, over arrivals, all
+        # that arrived by then less what was released strictly before
+        out = np.zeros(n_servers)
+        by_server = np.argsort(s, kind="stable")
+        bounds = np.searchsorted(s[by_server], np.arange(n_servers + 1))
+        for n in range(n_servers):
+            rows = by_server[bounds[n]:bounds[n + 1]]
+            if rows.size == 0:
+                continue
+            tn, en, wn = t[rows], e[rows], w[rows]
+            a, r = np.argsort(tn), np.argsort(en)
+            arrived = np.cumsum(wn[a])
+            released = np.r_[0.0, np.cumsum(wn[r])]
+            out[n] = (arrived - released[np.searchsorted(en[r], tn[a], side="left")]).max() * kv_bytes
+        return out
+
+    ones = np.ones(ri.size)
+    own = held(done, srv, end, ones)
+    both = held(np.concatenate([done, start[by_srv][fetched]]),
+                np.concatenate([srv, s_srv[fetched]]),
+                np.concatenate([end, end[by_srv][fetched]]),
+                np.concatenate([ones, copies[fetched]]))
+    return own, both
+
+
+def kv_room(gpu_bytes, gpu_share: float) -> np.ndarray:
+    """Each server's room for KV cache and activations: (1 - gpu_share) x G_n."""
+    return np.asarray(gpu_bytes, dtype=float) * (1.0 - gpu_share)
+
+
+def kv_metrics(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, room: np.ndarray,
+               causal: bool, names=None) -> dict:
+    """A run's K/V cache against its servers' room, for ``metrics.json``: the most a server
+    held at once in the run's own world (its positions; under causal attention also the
+    copies it fetched) in MB, that server's room, and the largest held/room over servers
+    (above 1: some server held more K/V than its memory leaves). ``names``: the servers'."""
+    n = len(room)
+    own, both = peaks(tl, rq, kv_bytes, n)
+    held = both if causal else own
+    share = held / np.maximum(room, 1.0)
+    worst = int(np.argmax(share))
+    return {"kv_peak_mb": round(float(held[worst]) / 1e6, 3),
+            "kv_room_mb": round(float(room[worst]) / 1e6, 3),
+            "kv_peak_share": round(float(share[worst]), 4),
+            "kv_peak_server": names[worst] if names is not None else f"server {worst}"}
+
+
+def kv_warning(metrics: dict) -> str | None:
+    """One line when a run's K/V outgrew a server's room (``kv_metrics``), else None."""
+    share = metrics.get("kv_peak_share")
+    if share is None or not share > 1.0:
+        return None
+    return (f"warning: {metrics['kv_peak_server']} held {metrics['kv_peak_mb']:.0f} MB of K/V cache at once, "
+            f"{share:.2f}x the {metrics['kv_room_mb']:.0f} MB its GPU memory leaves it "
+            f"((1 - memory.gpu_share) x G_n); no backend admits or evicts on a full cache, "
+            f"so this run's world is not physical there")
