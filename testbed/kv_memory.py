@@ -22,10 +22,11 @@ import numpy as np
 import pandas as pd
 
 
-def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float,
-          n_servers: int) -> tuple[np.ndarray, np.ndarray]:
+def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, n_servers: int,
+          with_copies: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(own, with copies): each server's most K/V bytes held at once. ``tl`` and ``rq`` are
-    a run's token-layer and request records; requests that did not finish are left out."""
+    a run's token-layer and request records; requests that did not finish are left out.
+    ``with_copies=False`` skips the copies' reading and returns (own, own)."""
     ok = rq.loc[rq["status"] == "ok", ["request", "arrival_s", "latency_s"]]
     rids = np.sort(ok["request"].to_numpy())
     req = tl["request"].to_numpy()
@@ -40,23 +41,6 @@ def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float,
     done = start + tl["dense_s"].to_numpy(dtype=float)[keep]
     ends = ok.set_index("request").loc[rids]
     end = (ends["arrival_s"] + ends["latency_s"]).to_numpy(dtype=float)[ri]
-
-    # each row's rank among its (request, layer)'s positions: which earlier positions exist
-    P, L = int(tok.max()) + 1, int(lay.max()) + 1
-    by_pos = np.argsort((ri * L + lay) * P + tok, kind="stable")
-    rank = np.empty(ri.size, dtype=np.int64)
-    first = np.r_[True, (ri[by_pos][1:] != ri[by_pos][:-1]) | (lay[by_pos][1:] != lay[by_pos][:-1])]
-    group_start = np.maximum.accumulate(np.where(first, np.arange(ri.size), 0))
-    rank[by_pos] = np.arange(ri.size) - group_start
-    # a server fetches, at the start of each position of a layer that ran there, copies of
-    # the earlier positions of that layer it has not seen: those since its previous one
-    by_srv = np.argsort(((ri * L + lay) * n_servers + srv) * P + tok, kind="stable")
-    r = rank[by_srv]
-    s_ri, s_lay, s_srv = ri[by_srv], lay[by_srv], srv[by_srv]
-    same = np.r_[False, (s_ri[1:] == s_ri[:-1]) & (s_lay[1:] == s_lay[:-1]) & (s_srv[1:] == s_srv[:-1])]
-    prev = np.where(same, np.r_[-1, r[:-1]], -1)
-    copies = (r - prev - 1).astype(float)
-    fetched = copies > 0
 
     def held(t: np.ndarray, s: np.ndarray, e: np.ndarray, w: np.ndarray) -> np.ndarray:
         # at one instant arrivals come before releases: the most held is, over arrivals, all
@@ -77,6 +61,25 @@ def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float,
 
     ones = np.ones(ri.size)
     own = held(done, srv, end, ones)
+    if not with_copies:
+        return own, own
+    # each row's rank among its (request, layer)'s positions: which earlier positions exist
+    P, L = int(tok.max()) + 1, int(lay.max()) + 1
+    by_pos = np.argsort((ri * L + lay) * P + tok, kind="stable")
+    rank = np.empty(ri.size, dtype=np.int64)
+    first = np.r_[True, (ri[by_pos][1:] != ri[by_pos][:-1]) | (lay[by_pos][1:] != lay[by_pos][:-1])]
+    group_start = np.maximum.accumulate(np.where(first, np.arange(ri.size), 0))
+    rank[by_pos] = np.arange(ri.size) - group_start
+    # a server fetches, at the start of each position of a layer that ran there, copies of
+    # the earlier positions of that layer it has not seen: those since its previous one
+    by_srv = np.argsort(((ri * L + lay) * n_servers + srv) * P + tok, kind="stable")
+    r = rank[by_srv]
+    s_ri, s_lay, s_srv = ri[by_srv], lay[by_srv], srv[by_srv]
+    same = np.r_[False, (s_ri[1:] == s_ri[:-1]) & (s_lay[1:] == s_lay[:-1]) & (s_srv[1:] == s_srv[:-1])]
+    prev = np.where(same, np.r_[-1, r[:-1]], -1)
+    copies = (r - prev - 1).astype(float)
+    fetched = copies > 0
+
     both = held(np.concatenate([done, start[by_srv][fetched]]),
                 np.concatenate([srv, s_srv[fetched]]),
                 np.concatenate([end, end[by_srv][fetched]]),
@@ -96,8 +99,7 @@ def kv_metrics(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, room: np.nda
     copies it fetched) in MB, that server's room, and the largest held/room over servers
     (above 1: some server held more K/V than its memory leaves). ``names``: the servers'."""
     n = len(room)
-    own, both = peaks(tl, rq, kv_bytes, n)
-    held = both if causal else own
+    held = peaks(tl, rq, kv_bytes, n, with_copies=causal)[1]
     share = held / np.maximum(room, 1.0)
     worst = int(np.argmax(share))
     return {"kv_peak_mb": round(float(held[worst]) / 1e6, 3),
