@@ -7,7 +7,8 @@ metrics carry what its world held (``kv_metrics``) and ``run``/``compare`` warn 
 held more than its room: that run's world is not one a real server could be in.
 
 - a position's K/V of layer l sit where its dense part of l ran, from that part's end
-  until its request finishes (a serving engine frees a request's cache then);
+  until its request finishes or fails (a serving engine frees a request's cache then; a
+  request the run never finished holds them to its end);
 - under causal attention (``engine.attention: causal``) a server also holds the earlier
   positions' K/V it needed for a later position of the same layer that ran there (each
   fetched once and kept, ``testbed/kv.py``), from that later position's layer start.
@@ -25,10 +26,12 @@ import pandas as pd
 def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, n_servers: int,
           with_copies: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(own, with copies): each server's most K/V bytes held at once. ``tl`` and ``rq`` are
-    a run's token-layer and request records; requests that did not finish are left out.
-    ``with_copies=False`` skips the copies' reading and returns (own, own)."""
-    ok = rq.loc[rq["status"] == "ok", ["request", "arrival_s", "latency_s"]]
-    rids = np.sort(ok["request"].to_numpy())
+    a run's token-layer and request records. ``with_copies=False`` skips the copies' reading and returns (own, own). A request's K/V
+    are freed when it finished or failed; one the run never finished (the emulator's drain
+    cap) holds them to the end."""
+    until = np.nan_to_num((rq["arrival_s"] + rq["latency_s"]).to_numpy(dtype=float), nan=np.inf)
+    order = np.argsort(rq["request"].to_numpy(), kind="stable")
+    rids, until = rq["request"].to_numpy()[order], until[order]
     req = tl["request"].to_numpy()
     keep = np.isin(req, rids)
     if not keep.any():
@@ -39,8 +42,7 @@ def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, n_servers: int,
     srv = tl["server"].to_numpy()[keep].astype(np.int64)
     start = tl["t_start"].to_numpy(dtype=float)[keep]
     done = start + tl["dense_s"].to_numpy(dtype=float)[keep]
-    ends = ok.set_index("request").loc[rids]
-    end = (ends["arrival_s"] + ends["latency_s"]).to_numpy(dtype=float)[ri]
+    end = until[ri]
 
     def held(t: np.ndarray, s: np.ndarray, e: np.ndarray, w: np.ndarray) -> np.ndarray:
         # at one instant arrivals come before releases: the most held is, over arrivals, all

@@ -34,8 +34,11 @@ def test_a_server_holds_its_own_positions_until_the_request_ends_and_the_copies_
     # server 0: positions 0 and 2 of request 0 (request 1's was freed at 0.5, before them)
     assert list(own) == [4.0, 2.0, 0.0]
     # with copies: position 1 fetched to server 0 (for position 2, at 4.0) and position 0 to
-    # server 1 (for position 1, at 2.0); the failed request holds nothing
+    # server 1 (for position 1, at 2.0); the failed request's K/V went at its failure (1.0)
     assert list(both) == [6.0, 4.0, 0.0]
+    # one the run never finished holds its K/V to the end: with request 0's on server 1
+    own, both = peaks(tl, rq.assign(latency_s=[10.0, 0.5, float("nan")]), 2.0, 3)
+    assert list(own) == [4.0, 4.0, 0.0] and list(both) == [6.0, 6.0, 0.0]
 
 
 def test_positions_on_one_server_need_no_copies():
@@ -49,7 +52,8 @@ def test_positions_on_one_server_need_no_copies():
 
 def _naive(tl, rq, kv_bytes, n_servers):
     """The rule read literally, one position at a time (the columnar reading must equal it)."""
-    ends = {r.request: r.arrival_s + r.latency_s for r in rq.itertuples() if r.status == "ok"}
+    ends = {r.request: r.arrival_s + r.latency_s if r.latency_s == r.latency_s else float("inf")
+            for r in rq.itertuples()}
     own = {n: [] for n in range(n_servers)}
     cop = {n: [] for n in range(n_servers)}
     for (q, _), g in tl[tl["request"].isin(list(ends))].groupby(["request", "layer"]):
@@ -89,7 +93,8 @@ def test_the_columnar_reading_equals_the_rule_read_one_position_at_a_time(data):
     rq = pd.DataFrame({"request": range(n_req),
                        "status": [data.draw(st.sampled_from(["ok", "ok", "failed"])) for _ in range(n_req)],
                        "arrival_s": 0.0,
-                       "latency_s": [float(data.draw(st.integers(1, 10))) for _ in range(n_req)]})
+                       "latency_s": [data.draw(st.sampled_from([float("nan"), *map(float, range(1, 11))]))
+                                     for _ in range(n_req)]})
     own, both = peaks(tl, rq, 2.0, n_srv)
     want_own, want_both = _naive(tl, rq, 2.0, n_srv)
     assert list(own) == want_own and list(both) == want_both
