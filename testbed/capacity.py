@@ -11,7 +11,12 @@ kept in ``missed_below``) or a probe's queues grow (``unstable``: more load cann
 help) or ``hi`` is passed; only then is the capacity 0. Every probe is a complete run folder under
 ``results/capacity/<spec>-<physics>-sla<ms>/<router>/rate=<r>/`` and is reused when its
 resolved spec is unchanged, so a second search, or a killed one, costs only what is new.
-The SLA share counts failed requests as misses (``metrics.sla_ratio``). With ``seeds`` > 1
+The SLA share counts failed requests as misses (``metrics.sla_ratio``). A probe in which
+some server held more K/V cache than its memory leaves it (``kv_peak_share`` > 1,
+``testbed/kv_memory.py``; any seed) does not meet the SLA whatever its share: no backend
+holds requests back or preempts them on a full cache, so that load's latencies are of a
+world the cluster's memory could not hold, and cannot certify a capacity (its rate is
+kept in ``kv_over``). With ``seeds`` > 1
 each probe runs that many seeds (the spec's and the next ones: ``rate=<r>/``, then
 ``rate=<r>-seed<s>/``; the answer in ``capacity-seeds<n>.json``) and the share is pooled
 over their measured requests: one seed per probe let a chaotic router's answer turn on
@@ -54,6 +59,7 @@ class Capacity:
     missed_below: list[float] = field(default_factory=list)  # lighter loads that missed
     seeds: int = 1  # per probe, their measured requests pooled
     probe_seeds: list[list[float]] = field(default_factory=list)  # per probe: each seed's share
+    kv_over: list[float] = field(default_factory=list)  # probed loads whose K/V outgrew a server
 
 
 def _probe(spec: ExperimentSpec, rate: float, root: Path, cache: Path, tag: str = "") -> dict:
@@ -68,9 +74,10 @@ def _probe(spec: ExperimentSpec, rate: float, root: Path, cache: Path, tag: str 
 
 def pooled_probe(spec: ExperimentSpec, rate: float, root: Path, cache: Path, seeds: int = 1) -> dict:
     """A probe over ``seeds`` seeds (the spec's and the next ones): the SLA share of all
-    their measured requests together, unstable if any seed's queues grew, and each seed's
-    own share. A seed whose window measured no request counts as none of either."""
-    within, measured, shares, unstable = 0.0, 0, [], False
+    their measured requests together, unstable if any seed's queues grew, over its K/V
+    room if any seed's cache outgrew a server's (``kv_over``), and each seed's own share. A
+    seed whose window measured no request counts as none of either."""
+    within, measured, shares, unstable, kv_over = 0.0, 0, [], False, False
     for k in range(seeds):
         m = _probe(spec.with_overrides({"seed": spec.seed + k}), rate, root, cache,
                    f"-seed{spec.seed + k}" if k else "")
@@ -81,8 +88,9 @@ def pooled_probe(spec: ExperimentSpec, rate: float, root: Path, cache: Path, see
             measured += n
         shares.append(sla)
         unstable = unstable or bool(m.get("unstable", False))
+        kv_over = kv_over or float(m.get("kv_peak_share", 0.0)) > 1.0
     share = shares[0] if seeds == 1 else (within / measured if measured else 0.0)
-    return {"sla_ratio": share, "unstable": unstable, "per_seed": shares}
+    return {"sla_ratio": share, "unstable": unstable, "per_seed": shares, "kv_over": kv_over}
 
 
 def find_capacity(spec: ExperimentSpec, router: str, results: Path = Path("results"),
@@ -127,9 +135,12 @@ def _search(cap: Capacity, spec: ExperimentSpec, root: Path, cache: Path, rel_to
         cap.probe_seeds.append(m["per_seed"])
         each = (f" (seeds: {', '.join(f'{x:.1%}' for x in m['per_seed'])})"
                 if cap.seeds > 1 else "")
+        if m["kv_over"]:
+            cap.kv_over.append(rate)
         log(f"  {router}: {rate:g} req/s -> {sla:.1%} within the SLA{each}"
-            + (" (unstable)" if m["unstable"] else ""))
-        return sla >= target
+            + (" (unstable)" if m["unstable"] else "")
+            + (" (K/V cache past a server's room: does not count)" if m["kv_over"] else ""))
+        return sla >= target and not m["kv_over"]
 
     good = lo
     while not ok(good):
@@ -198,11 +209,18 @@ def describe(c: dict) -> str:
         tried = [p[0] for p in c.get("probes", [])]
         why = (f"every load tried misses: {', '.join(f'{r:g}' for r in tried)} req/s"
                if len(tried) > 1 else f"{c['lo']:g} req/s already misses")
-        return f"0 ({why}{'; ' + pooled if pooled else ''})"
+        return f"0 ({why}{'; ' + pooled if pooled else ''}{_over(c)})"
     below = c.get("missed_below") or []
     return (f"{c['capacity_rps']:.3g} req/s" + (f" ({pooled})" if pooled else "")
             + ("" if c["bounded"] else f" or more (the search stops below {c['hi']:g})")
-            + (f"; lighter loads miss ({', '.join(f'{r:g}' for r in below)} req/s)" if below else ""))
+            + (f"; lighter loads miss ({', '.join(f'{r:g}' for r in below)} req/s)" if below else "")
+            + _over(c))
+
+
+def _over(c: dict) -> str:
+    over = c.get("kv_over") or []
+    return (f"; the K/V cache outgrew a server at {', '.join(f'{r:.3g}' for r in over)} req/s"
+            if over else "")
 
 
 def criterion(c: dict) -> str:

@@ -99,6 +99,31 @@ def test_capacity_looks_past_a_light_load_that_misses(tmp_path, monkeypatch, cur
         assert text == "0 (every load tried misses: 1, 2, 4 req/s)"
 
 
+def test_a_load_whose_kv_cache_outgrew_a_server_does_not_count(tmp_path, monkeypatch):
+    """Every probe meets the SLA, but from 16 req/s some server held more K/V than its
+    memory leaves it (one seed of two is enough): the search bisects below it, and the
+    answer says where the cache outgrew."""
+    import testbed.capacity as C
+
+    def probe(spec, rate, root, cache, tag=""):
+        over = rate >= 16 and spec.seed == 1
+        return {"sla_ratio": 0.99, "requests": 10, "unstable": False,
+                "kv_peak_share": 1.3 if over else 0.4}
+    monkeypatch.setattr(C, "_probe", probe)
+    logs: list[str] = []
+    c = find_capacity(parse_spec(SPEC), "edgeshard", tmp_path, lo=4.0, hi=64.0, rel_tol=0.99,
+                      log=logs.append, seeds=2)
+    assert c.capacity_rps == pytest.approx(128 ** 0.5) and c.bounded and c.kv_over == [16.0]
+    assert "does not count" in logs[2] and "does not count" not in logs[1]
+    assert describe(vars(c)).endswith("the K/V cache outgrew a server at 16 req/s")
+    # runs made before the reading (no kv_peak_share) count as before
+    monkeypatch.setattr(C, "_probe", lambda spec, rate, root, cache, tag="": {
+        "sla_ratio": 0.99, "requests": 10, "unstable": False})
+    c = find_capacity(parse_spec(SPEC), "edgeshard", tmp_path, lo=4.0, hi=16.0, rel_tol=0.99,
+                      log=lambda s: None)
+    assert c.capacity_rps == 16.0 and not c.bounded and c.kv_over == []
+
+
 def test_a_pooled_probe_weighs_each_seed_by_its_measured_requests(tmp_path, monkeypatch):
     """With ``seeds`` > 1 a probe's share is that of all its seeds' measured requests: a
     load where one seed is lucky (100%) and one is not (70%) misses 90% (85% pooled), where
