@@ -184,6 +184,11 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
                    err=True)
     typer.echo(f"fig{fig}: {summary['points']} runs ({summary['skipped']} skipped) in "
                f"{summary['wall_s']} s")
+    if over := summary["kv_over_room"]:
+        typer.echo(f"warning: in {len(over)} run(s) a server held more K/V cache than its GPU "
+                   f"memory leaves it (kv_peak_share > 1 in metrics.json; no backend holds "
+                   f"requests back on a full cache): {', '.join(over[:3])}"
+                   + (" ..." if len(over) > 3 else ""), err=True)
     if summary["failed"]:
         raise typer.Exit(1)
 

@@ -297,10 +297,25 @@ def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: 
             ray.stop()
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     summary["failed"] = failed
+    summary["kv_over_room"] = kv_over_room(points)
     root = sweep_dir(results, fig.figure, backend, scale, physics)
     root.mkdir(parents=True, exist_ok=True)
     (root / "sweep.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def kv_over_room(points) -> list[str]:
+    """The complete runs among ``points`` in which some server held more K/V cache than its
+    memory leaves it (``kv_peak_share`` > 1 in their metrics, testbed/kv_memory.py)."""
+    over = []
+    for p in points:
+        try:
+            share = json.loads((p.out_dir / "metrics.json").read_text()).get("kv_peak_share")
+        except (OSError, ValueError):
+            continue
+        if share is not None and share > 1.0:
+            over.append(str(p.out_dir))
+    return over
 
 
 def check_executor(executor: str, backend: str, address: str | None) -> None:

@@ -149,3 +149,19 @@ def test_a_figure_counts_its_runs_past_the_room_and_says_nothing_for_runs_made_b
     assert kv_room_use(runs) == {"kv_peak_share_max": 1.4, "kv_over_room": 2}
     assert kv_room_use(pd.DataFrame({"mean_ms": [1.0]})) == {"kv_peak_share_max": None,
                                                             "kv_over_room": None}
+
+
+def test_a_sweep_names_its_runs_past_the_room(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from testbed.sweep import kv_over_room
+
+    points = []
+    for name, met in (("fits", {"kv_peak_share": 0.3}), ("over", {"kv_peak_share": 1.2}),
+                      ("old", {"mean_ms": 1.0}), ("unfinished", None)):
+        (tmp_path / name).mkdir()
+        if met is not None:
+            (tmp_path / name / "metrics.json").write_text(json.dumps(met))
+        points.append(SimpleNamespace(out_dir=tmp_path / name))
+    assert kv_over_room(points) == [str(tmp_path / "over")]
