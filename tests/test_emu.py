@@ -75,6 +75,8 @@ def test_small3_smoke_run_completes_with_fidelity_table(tmp_path: Path) -> None:
     assert (rq.arrival_s < spec.window_s).sum() >= 2
     assert len(rq) == n and (rq.status == "ok").all(), rq[rq.status != "ok"].reason.tolist()
     assert res.metrics["mean_ms"] > 0 and len(tl) == n * 36 * 12  # every token-layer recorded
+    # the emulated run's K/V cache is read from its records as the simulated one's
+    assert 0 < res.metrics["kv_peak_share"] < 1 and res.metrics["kv_peak_mb"] > 0
     # the router's own delay estimate reaches the aggregator's record, as in the simulator
     assert tl.est_delay_s.notna().all() and (tl.est_delay_s >= 0).all()
     fid = json.loads((tmp_path / "run" / "fidelity.json").read_text())
