@@ -29,6 +29,8 @@ def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, n_servers: int,
     a run's token-layer and request records. ``with_copies=False`` skips the copies' reading and returns (own, own). A request's K/V
     are freed when it finished or failed; one the run never finished (the emulator's drain
     cap) holds them to the end."""
+    if tl.empty or rq.empty:
+        return np.zeros(n_servers), np.zeros(n_servers)
     until = np.nan_to_num((rq["arrival_s"] + rq["latency_s"]).to_numpy(dtype=float), nan=np.inf)
     order = np.argsort(rq["request"].to_numpy(), kind="stable")
     rids, until = rq["request"].to_numpy()[order], until[order]
