@@ -28,7 +28,8 @@ class KvMemory:
 
 
 def measure_run(run_dir: Path) -> KvMemory:
-    """The reading of one run folder (every finished request; its resolved spec gives the
+    """The reading of one run folder (``requests``: those that finished; every request's
+    K/V count, as ``testbed/kv_memory.peaks`` frees them; its resolved spec gives the
     model, the servers' G_n and ``memory.gpu_share``)."""
     from testbed.setup import check_spec
     from testbed.spec import load_spec

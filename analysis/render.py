@@ -111,8 +111,7 @@ def claims_file(data: FigureData) -> dict:
 def kv_room_use(runs: pd.DataFrame) -> dict:
     """How near the figure's runs came to a server's K/V room (``kv_peak_share`` of their
     metrics; runs made before it have none): the largest share and how many went past 1."""
-    if runs.empty or "kv_peak_share" not in runs:
+    share = runs["kv_peak_share"].dropna() if "kv_peak_share" in runs else pd.Series(dtype=float)
+    if share.empty:
         return {"kv_peak_share_max": None, "kv_over_room": None}
-    share = runs["kv_peak_share"].dropna()
-    return {"kv_peak_share_max": float(share.max()) if len(share) else None,
-            "kv_over_room": int((share > 1.0).sum()) if len(share) else None}
+    return {"kv_peak_share_max": float(share.max()), "kv_over_room": int((share > 1.0).sum())}

@@ -3,8 +3,9 @@
 The memory model (``hetroute.deployment.MemoryBudget``) gives experts and dense weights
 ``memory.gpu_share`` of each server's G_n and leaves the rest, (1 - gpu_share) x G_n, to KV
 cache and activations. Neither backend admits or evicts on a full cache, so every run's
-metrics carry what its world held (``kv_metrics``) and ``run``/``compare`` warn when a server
-held more than its room: that run's world is not one a real server could be in.
+metrics carry what its world held (``kv_metrics``); ``run``, ``compare`` and ``sweep`` warn
+when a server held more than its room (that run's world is not one a real server could be
+in), and a capacity search does not count such a load.
 
 - a position's K/V of layer l sit where its dense part of l ran, from that part's end
   until its request finishes or fails (a serving engine frees a request's cache then; a
@@ -26,9 +27,9 @@ import pandas as pd
 def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, n_servers: int,
           with_copies: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(own, with copies): each server's most K/V bytes held at once. ``tl`` and ``rq`` are
-    a run's token-layer and request records. ``with_copies=False`` skips the copies' reading and returns (own, own). A request's K/V
-    are freed when it finished or failed; one the run never finished (the emulator's drain
-    cap) holds them to the end."""
+    a run's token-layer and request records; ``with_copies=False`` skips the copies and
+    returns (own, own). A request's K/V are freed when it finished or failed; one the run
+    never finished (the emulator's drain cap) holds them to the end."""
     if tl.empty or rq.empty:
         return np.zeros(n_servers), np.zeros(n_servers)
     until = np.nan_to_num((rq["arrival_s"] + rq["latency_s"]).to_numpy(dtype=float), nan=np.inf)
@@ -69,17 +70,18 @@ def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, n_servers: int,
         return own, own
     # each row's rank among its (request, layer)'s positions: which earlier positions exist
     P, L = int(tok.max()) + 1, int(lay.max()) + 1
-    by_pos = np.argsort((ri * L + lay) * P + tok, kind="stable")
+    layer_of = ri * L + lay  # one key per (request, layer)
+    by_pos = np.argsort(layer_of * P + tok, kind="stable")
     rank = np.empty(ri.size, dtype=np.int64)
-    first = np.r_[True, (ri[by_pos][1:] != ri[by_pos][:-1]) | (lay[by_pos][1:] != lay[by_pos][:-1])]
+    first = np.r_[True, np.diff(layer_of[by_pos]) != 0]
     group_start = np.maximum.accumulate(np.where(first, np.arange(ri.size), 0))
     rank[by_pos] = np.arange(ri.size) - group_start
     # a server fetches, at the start of each position of a layer that ran there, copies of
     # the earlier positions of that layer it has not seen: those since its previous one
-    by_srv = np.argsort(((ri * L + lay) * n_servers + srv) * P + tok, kind="stable")
-    r = rank[by_srv]
-    s_ri, s_lay, s_srv = ri[by_srv], lay[by_srv], srv[by_srv]
-    same = np.r_[False, (s_ri[1:] == s_ri[:-1]) & (s_lay[1:] == s_lay[:-1]) & (s_srv[1:] == s_srv[:-1])]
+    at_server = layer_of * n_servers + srv  # one key per (request, layer, server)
+    by_srv = np.argsort(at_server * P + tok, kind="stable")
+    r, s_srv = rank[by_srv], srv[by_srv]
+    same = np.r_[False, np.diff(at_server[by_srv]) == 0]
     prev = np.where(same, np.r_[-1, r[:-1]], -1)
     copies = (r - prev - 1).astype(float)
     fetched = copies > 0
