@@ -13,10 +13,11 @@ help) or ``hi`` is passed; only then is the capacity 0. Every probe is a complet
 resolved spec is unchanged, so a second search, or a killed one, costs only what is new.
 The SLA share counts failed requests as misses (``metrics.sla_ratio``). A probe in which
 some server held more K/V cache than its memory leaves it (``kv_peak_share`` > 1,
-``testbed/kv_memory.py``; any seed) does not meet the SLA whatever its share: no backend
-holds requests back or preempts them on a full cache, so that load's latencies are of a
-world the cluster's memory could not hold, and cannot certify a capacity (its rate is
-kept in ``kv_over``). With ``seeds`` > 1
+``testbed/kv_memory.py``; any seed) in a world that let the cache grow on
+(``engine.kv_overflow: none``, the default) does not meet the SLA whatever its share: that
+load's latencies are of a world the cluster's memory could not hold, and cannot certify a
+capacity (its rate is kept in ``kv_over``). Under ``kv_overflow: spill`` the part past the
+room sat in host memory and its copies were charged, so such a probe counts as any other. With ``seeds`` > 1
 each probe runs that many seeds (the spec's and the next ones: ``rate=<r>/``, then
 ``rate=<r>-seed<s>/``; the answer in ``capacity-seeds<n>.json``) and the share is pooled
 over their measured requests: one seed per probe let a chaotic router's answer turn on
@@ -33,6 +34,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .kv_memory import kv_unheld
 from .runner import is_done, run_experiment
 from .setup import resolve_inputs
 from .spec import ExperimentSpec, SpecError
@@ -88,7 +90,7 @@ def pooled_probe(spec: ExperimentSpec, rate: float, root: Path, cache: Path, see
             measured += n
         shares.append(sla)
         unstable = unstable or bool(m.get("unstable", False))
-        kv_over = kv_over or float(m.get("kv_peak_share", 0.0)) > 1.0
+        kv_over = kv_over or kv_unheld(m)
     share = shares[0] if seeds == 1 else (within / measured if measured else 0.0)
     return {"sla_ratio": share, "unstable": unstable, "per_seed": shares, "kv_over": kv_over}
 

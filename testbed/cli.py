@@ -186,8 +186,8 @@ def sweep(fig: int = typer.Option(..., help="figure number (analysis/specs/figN.
                f"{summary['wall_s']} s")
     if over := summary["kv_over_room"]:
         typer.echo(f"warning: in {len(over)} run(s) a server held more K/V cache than its GPU "
-                   f"memory leaves it (kv_peak_share > 1 in metrics.json; no backend holds "
-                   f"requests back on a full cache): {', '.join(over[:3])}"
+                   f"memory leaves it (kv_peak_share > 1 in metrics.json; engine.kv_overflow: none "
+                   f"let it grow on): {', '.join(over[:3])}"
                    + (" ..." if len(over) > 3 else ""), err=True)
     if summary["failed"]:
         raise typer.Exit(1)

@@ -2,10 +2,13 @@
 
 The memory model (``hetroute.deployment.MemoryBudget``) gives experts and dense weights
 ``memory.gpu_share`` of each server's G_n and leaves the rest, (1 - gpu_share) x G_n, to KV
-cache and activations. Neither backend admits or evicts on a full cache, so every run's
-metrics carry what its world held (``kv_metrics``); ``run``, ``compare`` and ``sweep`` warn
-when a server held more than its room (that run's world is not one a real server could be
-in), and a capacity search does not count such a load.
+cache and activations. Under ``engine.kv_overflow: none`` (the default) no backend admits,
+evicts or spills on a full cache, so every run's metrics carry what its world held
+(``kv_metrics``); ``run``, ``compare`` and ``sweep`` warn when a server held more than its
+room (that run's world is not one a real server could be in), and a capacity search does
+not count such a load. Under ``spill`` (``testbed/kv_spill.py``) what is past
+the room sat in host memory and was paid for, so the same reading is the cache's size
+(GPU and host together) and nothing warns.
 
 - a position's K/V of layer l sit where its dense part of l ran, from that part's end
   until its request finishes or fails (a serving engine frees a request's cache then; a
@@ -114,12 +117,21 @@ def kv_metrics(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, room: np.nda
             "kv_peak_server": names[worst] if names is not None else f"server {worst}"}
 
 
-def kv_warning(metrics: dict) -> str | None:
-    """One line when a run's K/V outgrew a server's room (``kv_metrics``), else None."""
+def kv_unheld(metrics: dict) -> bool:
+    """Whether a run's K/V outgrew a server's room in a world that did not hold it there:
+    ``kv_peak_share`` above 1 without ``engine.kv_overflow: spill`` (under which the part
+    past the room sat in host memory and the steps that read it paid its copies in)."""
     share = metrics.get("kv_peak_share")
-    if share is None or not share > 1.0:
+    return share is not None and share > 1.0 and metrics.get("kv_overflow") != "spill"
+
+
+def kv_warning(metrics: dict) -> str | None:
+    """One line when a run's K/V outgrew a server's room (``kv_metrics``) and the world did
+    not spill them (``kv_unheld``), else None."""
+    if not kv_unheld(metrics):
         return None
+    share = metrics["kv_peak_share"]
     return (f"warning: {metrics['kv_peak_server']} held {metrics['kv_peak_mb']:.0f} MB of K/V cache at once, "
             f"{share:.2f}x the {metrics['kv_room_mb']:.0f} MB its GPU memory leaves it "
-            f"((1 - memory.gpu_share) x G_n); no backend admits or evicts on a full cache, "
-            f"so this run's world is not physical there")
+            f"((1 - memory.gpu_share) x G_n); the world let it grow on (engine.kv_overflow: "
+            f"none), so this run's world is not physical there (kv_overflow: spill holds it)")

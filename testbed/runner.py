@@ -167,9 +167,12 @@ def _execute(spec: ExperimentSpec, out_dir: Path | None, progress: bool, base_di
 
 def _kv(tl, rq, spec: ExperimentSpec, model, cluster) -> dict:
     """The K/V cache the run's servers held against their room (``testbed/kv_memory.py``)."""
-    return kv_metrics(tl, rq, float(model.kv_bytes_per_token()),
-                      kv_room(cluster.gpu_bytes, spec.memory.gpu_share),
-                      causal=spec.engine.attention == "causal", names=cluster.names)
+    out = kv_metrics(tl, rq, float(model.kv_bytes_per_token()),
+                     kv_room(cluster.gpu_bytes, spec.memory.gpu_share),
+                     causal=spec.engine.attention == "causal", names=cluster.names)
+    if spec.engine.kv_overflow != "none":  # (absent at the default: older runs' metrics stand)
+        out["kv_overflow"] = spec.engine.kv_overflow
+    return out
 
 
 def _decodes(w) -> bool | None:

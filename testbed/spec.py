@@ -30,7 +30,7 @@ OMITTED_AT_DEFAULT = {"arrivals": "poisson", "arrival_cv": 1.0, "gamma_count": "
                       "max_prompt_tokens": None, "max_gen_tokens": None}
 #: the same for other sections' fields: section -> field -> default
 OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial", "attention": "independent",
-                                "kv_news": "instant"},
+                                "kv_news": "instant", "kv_overflow": "none"},
                      "sim": {"hop_jitter_draw": 0}}
 
 
@@ -353,6 +353,13 @@ class EngineSpec(_Model):
         "where its request's earlier K/V are: 'instant' (at once: a lower bound) or 'home' (a "
         "directory at the request's home: servers report each step's dense parts there, a "
         "token asks it and is answered once it has heard of every earlier position)")
+    #: ``none`` is every figure's rule: the cache grows past the room and the run says so
+    #: (``kv_peak_share`` in metrics.json, a warning); ``spill`` holds it to the room
+    kv_overflow: Literal["none", "spill"] = Field(
+        "none", description="what a server's K/V cache does past its room, (1 - "
+        "memory.gpu_share) x G_n: 'none' (it grows on; the run reports and warns) or 'spill' "
+        "(the newest requests' K/V sit in host memory and each step that reads them copies them "
+        "in over PCIe first; testbed/kv_spill.py). Hardware physics")
 
 
 class FaultSpec(_Model):
@@ -405,6 +412,10 @@ class ExperimentSpec(_Model):
         if self.engine.kv_news != "instant" and self.engine.attention != "causal":
             raise ValueError("engine.kv_news: 'home' needs attention: causal (under "
                              "'independent' no token waits for its request's K/V)")
+        if self.engine.kv_overflow != "none":
+            if self.physics != "hardware":
+                raise ValueError("engine.kv_overflow: 'spill' needs physics: hardware (the "
+                                 "paper's world reads no K/V cache)")
         if self.engine.prefetch_link == "own" and self.engine.load_overlap != "serial":
             raise ValueError("engine.prefetch_link: 'own' needs load_overlap: serial (loads "
                              "overlap kernels on the copy engine the prefetches share)")

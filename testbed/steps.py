@@ -58,6 +58,12 @@ of their own: a prefetching server had two PCIe links (``engine.prefetch_link:
 own`` keeps that rule, to reproduce runs made under it). The paper's world (one
 replica per step) keeps it too.
 
+With ``engine.kv_overflow: spill`` each server's scheduler holds a K/V ledger
+(``testbed/kv_spill.py``): a step's dense part first copies in, over PCIe, the share of
+its requests' K/V that did not fit the room (the newest requests' spill first), then its
+own positions join the cache. Under ``none`` (the default) the cache has no bound and the
+step reads every position from GPU memory.
+
 ``hold_s`` (default 0) lets a step wait up to that long after its oldest job
 arrived for more work to batch, as engines with a batching window do.
 Times are model seconds; the emulator multiplies them by its dilation.
@@ -72,6 +78,8 @@ from typing import Any, Callable
 
 from hetroute.service import ServiceModel
 from hetroute.system import Precision
+
+from .kv_spill import KvSpill
 
 DENSE = -1  # replica id of a dense-part job
 #: a group's order is (prio, seq); sorting by prio alone gives it, as the sort is stable
@@ -228,7 +236,9 @@ class StepScheduler:
                  max_batch_tokens: int = 2048, hold_s: float = 0.0,
                  on_execute: Callable[[int, bool], None] | None = None,
                  moe_kernels: str = "fused", load_overlap: str = "serial",
-                 prefetch_link: str = "shared") -> None:
+                 prefetch_link: str = "shared", kv: KvSpill | None = None) -> None:
+        if kv is not None and scope != "layer":
+            raise ValueError("a K/V room (engine.kv_overflow: spill) needs the layer scope")
         if scope not in ("layer", "replica"):
             raise ValueError("scope must be 'layer' or 'replica'")
         if moe_kernels not in ("per_expert", "fused"):
@@ -253,6 +263,9 @@ class StepScheduler:
         self.precision_of, self.resident = precision_of, resident
         self.scope, self.max_tokens, self.hold = scope, int(max_batch_tokens), float(hold_s)
         self.on_execute = on_execute
+        #: ``engine.kv_overflow: spill``: this server's K/V cache against its room; a step
+        #: copies in from host memory the spilled share of what its attention reads
+        self.kv = kv
         self.queue: OrderedDict[int, list[Job]] = OrderedDict()  # layer or replica -> jobs
         self.queued_s = 0.0  # estimated stream time of what is queued
         self._pending: dict[int, dict[int, int]] = {}  # layer -> replica -> queued jobs
@@ -567,7 +580,14 @@ class StepScheduler:
                 j.gpu = tier[j.replica]
         if DENSE not in counts:
             return None
-        return self.svc.dense_s(self.n, counts[DENSE], attn, sum(per_request.values()))
+        dense = self.svc.dense_s(self.n, counts[DENSE], attn, sum(per_request.values()))
+        kv = self.kv
+        if kv is not None:  # spilled K/V in first, then this step's own K/V join the cache
+            dense += kv.copy_in_s(per_request)
+            for j in jobs:
+                if j.replica == DENSE:
+                    kv.write(j.request, j.prio)
+        return dense
 
     def _cost_one(self, jobs: list[Job]) -> tuple[float, int, int, int]:
         """``_cost`` of a step of one replica's jobs (the replica scope: the paper's world

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from topologies.schema import InputFileError, one_line, read_yaml
 
 from .lifecycle import die_with_parent, sigterm_as_interrupt
+from .kv_memory import kv_unheld
 from .runner import is_done, run_experiment
 from .setup import profiled_decision_s, resolve_inputs
 from .spec import ExperimentSpec, SpecError, parse_spec
@@ -306,14 +307,15 @@ def run_sweep(fig: FigureSpec, backend: str, scale: Scale, results: Path, jobs: 
 
 def kv_over_room(points) -> list[str]:
     """The complete runs among ``points`` in which some server held more K/V cache than its
-    memory leaves it (``kv_peak_share`` > 1 in their metrics, testbed/kv_memory.py)."""
+    memory leaves it and the world let it grow on (``kv_unheld``: ``kv_peak_share`` > 1 in
+    their metrics without ``engine.kv_overflow: spill``, testbed/kv_memory.py)."""
     over = []
     for p in points:
         try:
-            share = json.loads((p.out_dir / "metrics.json").read_text()).get("kv_peak_share")
+            metrics = json.loads((p.out_dir / "metrics.json").read_text())
         except (OSError, ValueError):
             continue
-        if share is not None and share > 1.0:
+        if kv_unheld(metrics):
             over.append(str(p.out_dir))
     return over
 

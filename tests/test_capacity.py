@@ -176,3 +176,18 @@ def test_a_pooled_probe_runs_each_seed_in_its_own_folder(tmp_path):
     pooled = (m0["sla_ratio"] * m0["requests"] + m1["sla_ratio"] * m1["requests"]) / (
         m0["requests"] + m1["requests"])
     assert c.probes[0][1] == pytest.approx(pooled) and c.probe_seeds[0] == [m0["sla_ratio"], m1["sla_ratio"]]
+
+
+def test_a_probe_past_the_room_counts_when_its_world_spilled_the_rest_to_host_memory(
+        tmp_path, monkeypatch):
+    """Under ``engine.kv_overflow: spill`` the K/V past a server's room sat in host memory
+    and their copies were charged: the same probes as above now count, up to the top."""
+    import testbed.capacity as C
+
+    def probe(spec, rate, root, cache, tag=""):
+        return {"sla_ratio": 0.99, "requests": 10, "unstable": False,
+                "kv_peak_share": 1.3 if rate >= 16 else 0.4, "kv_overflow": "spill"}
+    monkeypatch.setattr(C, "_probe", probe)
+    c = find_capacity(parse_spec(SPEC), "edgeshard", tmp_path, lo=4.0, hi=64.0, rel_tol=0.99,
+                      log=lambda s: None)
+    assert c.capacity_rps == 64.0 and not c.bounded and c.kv_over == []

@@ -430,11 +430,18 @@ def test_causal_attention_on_the_emulator_fetches_what_the_records_say_was_neede
     position's, the K/V frames moved exactly the bytes the records say had to move (each
     position to each other server that ran a later one, once), and the home was asked and
     told over the links. A worker that submitted a token's dense part before its earlier
-    positions' K/V were there, or fetched twice, fails it."""
+    positions' K/V were there, or fetched twice, fails it.
+
+    Also ``engine.kv_overflow: spill`` with a room of almost nothing (testbed/kv_spill.py):
+    every position a worker's steps computed and every copy it fetched joined its K/V
+    ledger, its steps copied the part past the room in from host memory, and the requests'
+    homes named them finished in their STATE broadcasts, which freed them on the peers."""
     from analysis.causal_kv import measure_run
     work = {**SPEC["workload"], "gen_tokens": 3, "prompt_tokens": 6, "rate_per_s": 10}
     spec, res, tl, rq, n = _run(tmp_path, router={"name": "hetroute"}, workload=work,
-                                engine={"attention": "causal", "kv_news": "home"})
+                                memory={"gpu_share": 0.99999},
+                                engine={"attention": "causal", "kv_news": "home",
+                                        "kv_overflow": "spill"})
     assert len(rq) == n and (rq.status == "ok").all(), rq[rq.status != "ok"].reason.tolist()
     stats = res.info["stats"]
     assert stats["handler_errors"] == 0
@@ -442,3 +449,14 @@ def test_causal_attention_on_the_emulator_fetches_what_the_records_say_was_neede
     r = measure_run(tmp_path / "run", every_request=True)
     assert r.kv_remote > 0 and r.causal == 0.0 and r.lead_mean_s == 0.0
     assert stats["kv_bytes"] == r.kv_bytes
+    kvb = build_kv_bytes(spec)
+    assert stats["kv_written"] == len(tl) + stats["kv_bytes"] // kvb
+    assert stats["kv_spill_steps"] > 0 and stats["kv_spill_bytes"] > 0 and stats["kv_spill_s"] > 0
+    assert stats["kv_state_frees"] > 0
+    assert res.metrics["kv_overflow"] == "spill" and res.metrics["kv_peak_share"] > 1.0
+
+
+def build_kv_bytes(spec) -> int:
+    from testbed.setup import build_setup
+    return build_setup(spec).shape.kv_bytes_per_token
+

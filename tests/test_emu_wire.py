@@ -76,7 +76,8 @@ def state_msgs(draw: st.DrawFn) -> State:
     n = draw(st.integers(1, 12))
     received = draw(st.one_of(st.just(()), st.lists(_u64, min_size=n, max_size=n).map(tuple)))
     return State(draw(_u16), draw(_u64), draw(_fin), draw(_fin), draw(_fin),
-                 tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n))), received)
+                 tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n))), received,
+                 finished=tuple(draw(st.lists(_u64, max_size=20))))
 
 
 @st.composite
@@ -202,9 +203,14 @@ def test_every_message_class_has_a_kind_and_a_round_trip_test() -> None:
 
 
 def test_state_ping_pong_helpers() -> None:
-    f = w.decode(w.encode(Frame(State(2, 7, 3.5, 4.0, 0.5, (True, False, True), (3, 0, 9)))))
+    f = w.decode(w.encode(Frame(State(2, 7, 3.5, 4.0, 0.5, (True, False, True), (3, 0, 9),
+                                      finished=(41, 2**40)))))
     assert f.msg.window == 7 and f.msg.opened_at == 3.5 and f.msg.src == 2
     assert f.msg.backlog_s == 0.5 and f.msg.alive == (True, False, True) and f.msg.received == (3, 0, 9)
+    assert f.msg.finished == (41, 2**40)
+    too_many = State(2, 7, 3.5, 4.0, 0.5, (True,), finished=tuple(range(w.MAX_FINISHED + 1)))
+    with pytest.raises(WireError, match="finished has"):
+        w.encode(Frame(too_many))
     ping = Ping(1, seq=3, t_send=12.5)
     pong = w.decode(w.encode(Frame(w.pong_for(w.decode(w.encode(Frame(ping))).msg, src=4, t_send=13.0))))
     assert isinstance(pong.msg, Pong) and pong.msg.t_ping == 12.5
@@ -296,7 +302,8 @@ def test_out_of_range_values_in_lists_and_flags_are_rejected() -> None:
         w.decode(_patch(ok, mode_at, "B", 7))
     st_ok = w.encode(Frame(State(1, 2, 0.0, 0.0, 0.0, (True, False))))
     with pytest.raises(WireError, match="alive flags"):
-        w.decode(st_ok[:-3] + b"\x05" + st_ok[-2:])  # alive[1] = 5, then received's count
+        w.decode(st_ok[:-5] + b"\x05" + st_ok[-4:])  # alive[1] = 5, then received's and
+        # finished's counts
 
 
 @pytest.mark.parametrize("frame,msg", [

@@ -119,6 +119,11 @@ class EmuBackend:
             stats["wire"] = wire_accounting(stats["links"], stats["workers"])
         for key in ("tcp_waits", "tcp_wait_s", "handler_errors"):  # summed over workers
             stats[key] = sum(w.get(key, 0) for w in stats["workers"])
+        if spec.engine.kv_overflow == "spill":  # the simulator's counters (testbed/kv_spill.py)
+            for key in ("kv_written", "kv_spill_steps", "kv_spill_bytes", "kv_spill_s",
+                        "kv_state_frees"):
+                stats[key] = sum(w.get(key, 0) for w in stats["workers"])
+            stats["kv_spill_servers"] = sum(1 for w in stats["workers"] if w.get("kv_spill_steps"))
         if spec.engine.attention == "causal":  # the simulator's counters (node/kv.py)
             for key in ("kv_waits", "kv_asks", "kv_notices", "kv_fetches", "kv_bytes"):
                 stats[key] = sum(w.get(key, 0) for w in stats["workers"])

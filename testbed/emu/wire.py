@@ -45,16 +45,18 @@ from hetroute.state import Mode
 MAGIC = b"HRTW"
 #: a congestion-window wait longer than this is a sender's bug, not a window
 MAX_HOLD_S = 3600.0
-VERSION = 11  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
+VERSION = 12  # 3: HIDDEN and PARTIAL carry their dispatch group; 4: FEEDBACK what was measured;
 #: 5: HIDDEN, PARTIAL and TOKEN carry their congestion-window wait (``hold_s``); 6: HIDDEN
 #: carries the router's delay estimate (``est_delay_us``); 7: CUSTODY; 8: HIDDEN, PARTIAL
 #: and TOKEN carry how late their sender wrote them (``write_late_s``); 9: and when the
 #: model's link finished sending them (``due_end_s``); 10: STATE and FEEDBACK carry both too;
-#: 11: the K/V exchange of causal attention (KV_NOTICE, KV_ASK, KV_WHERE, KV_FETCH, KV_DATA)
+#: 11: the K/V exchange of causal attention (KV_NOTICE, KV_ASK, KV_WHERE, KV_FETCH, KV_DATA);
+#: 12: STATE names the requests finished at its sender since its last (``finished``)
 MAX_DIMS = 4
 MAX_PICKS = 256  # targets of one assignment: the spec's top-k bound
 MAX_ROUTER_CTX = 1024  # int32 entries a router may carry with a token (Petals: one per layer)
 MAX_SERVERS = 4096  # entries of a per-server list (STATE)
+MAX_FINISHED = 4096  # requests one STATE names as finished (more wait for the next)
 MAX_HELD = 4096  # (request, token) entries of one CUSTODY frame (more are sent as more frames)
 #: positions one K/V message names (a prompt longer than this is not on any figure); a step's
 #: KV_NOTICE entries (more go as more frames)
@@ -249,6 +251,9 @@ class State:
     backlog_s: float  # the sender's stream backlog, model seconds
     alive: tuple[bool, ...]  # per server
     received: tuple[int, ...] = ()  # per server, or ()
+    #: requests home at the sender that finished or failed since its last broadcast: their
+    #: K/V leave the receiver's cache (``engine.kv_overflow: spill``; empty otherwise)
+    finished: tuple[int, ...] = ()
     #: as a data frame's (``Hidden``): the broadcast is due at its tick's model instant and
     #: crosses its link behind the data frames sent before it, as the simulator's does
     write_late_s: float = 0.0
@@ -593,7 +598,8 @@ _LISTS: dict[type, tuple[_List, ...]] = {
     Hidden: (_SHAPE, _List("assignment", "H", "IIB", MAX_PICKS, Pick), _CTX),
     Partial: (_SHAPE, _List("ran", "H", "HB", MAX_PICKS, Ran)),
     Token: (_SHAPE, _CTX),
-    State: (_List("alive", "H", "B", MAX_SERVERS), _List("received", "H", "Q", MAX_SERVERS)),
+    State: (_List("alive", "H", "B", MAX_SERVERS), _List("received", "H", "Q", MAX_SERVERS),
+            _List("finished", "H", "Q", MAX_FINISHED)),
     Fail: (_List("reason", "B", "B", MAX_REASON),),
     Feedback: (_List("gpus", "H", "B", MAX_PICKS),),
     Custody: (_List("held", "H", "QI", MAX_HELD, Held),),

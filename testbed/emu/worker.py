@@ -40,6 +40,7 @@ from hetroute.state import StateView
 
 from ..collector import GcPauses, freeze_more, quiet_collector
 from ..core import TokenLayerCore, calibrate_decision_s
+from ..kv_spill import server_room, spill_stats
 from ..lifecycle import die_with_parent
 from ..records import RecordWriter
 from ..setup import build_setup
@@ -143,6 +144,13 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests, KvExchange)
                       "resolved_unacked": 0, "fails_relayed": 0, "feedback_unmatched": 0,
                       "handler_errors": 0}
         self.stopping = False
+        #: ``engine.kv_overflow: spill``: this server's K/V cache held to its room
+        #: (testbed/kv_spill.py), and the requests home here that finished since this
+        #: worker's last STATE, which tells the peers to free their K/V
+        self.kv_room = (server_room(self.setup.cluster, self.setup.shape,
+                                    self.spec.memory.gpu_share, self.rank)
+                        if self.hardware and self.spec.engine.kv_overflow == "spill" else None)
+        self.kv_finished: list[int] = []
         self._init_peers()
         self._init_faults()
         self._init_routing()
@@ -187,7 +195,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests, KvExchange)
                               max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
                               on_execute=self.residency.on_execute,
                               moe_kernels=eng.moe_kernels, load_overlap=eng.load_overlap,
-                              prefetch_link=eng.prefetch_link)
+                              prefetch_link=eng.prefetch_link, kv=self.kv_room)
         sched.copy.notify = self._landing  # a prefetch a step's load moved lands when it ends
         trace = self.writer.step if self.writer.st is not None else None
         self.stream = ModeledStream(loop, self.T, sched, self.bank.run, self._job_done, self.now,
@@ -276,6 +284,7 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests, KvExchange)
         # the real kernels' wall time as a share of the step's padding T x modeled
         use = kern[:, 1] / np.maximum(kern[:, 0] * self.T, 1e-12)
         return {**self.stats, "rank": self.rank, "batches": st.batches, "jobs": st.jobs,
+                **(spill_stats([self.kv_room]) if self.kv_room is not None else {}),
                 **self.gc_pauses.stats(),
                 "dq_misreported": self.core.dq_misreported,
                 "kernel_errors": st.kernel_errors,

@@ -44,6 +44,7 @@ from ..acks import AckLine
 from ..collector import quiet_collector
 from ..core import Routed, TokenLayerCore, with_window
 from ..kv import RequestKv
+from ..kv_spill import server_room, spill_stats
 from ..progress import FINISHED, RequestProgress
 from ..records import RecordWriter
 from ..steps import DENSE, Copy, Job, StepScheduler, step_row
@@ -81,6 +82,14 @@ class SimStats:
     #: (one per step and home other than the step's server)
     kv_asks: int = 0
     kv_notices: int = 0
+    #: ``engine.kv_overflow: spill``: positions written to the servers' K/V ledgers (own and
+    #: fetched copies), steps that copied spilled K/V in from host memory, the bytes and
+    #: stream seconds they copied, and the servers that spilled at all
+    kv_written: int = 0
+    kv_spill_steps: int = 0
+    kv_spill_bytes: int = 0
+    kv_spill_s: float = 0.0
+    kv_spill_servers: int = 0
 
 
 def control_seconds(bandwidth, efficiency: float, header_bytes: int) -> list[list[float]]:
@@ -189,12 +198,20 @@ class SimBackend:
         #: each server's GPU tiers (static, or the router's online cache), asked the same way
         self.residency = [d.residency(n) for n, d in enumerate(self.deciders)]
         prec = [r.precision for r in dep.replicas]
+        #: ``engine.kv_overflow: spill``: each server's K/V cache held to its room (kv_spill.py)
+        self.kv_room = ([server_room(cl, shape, spec.memory.gpu_share, n) for n in range(N)]
+                        if self.hardware and eng.kv_overflow == "spill" else None)
+        #: requests finished at each home since its last window broadcast (which tells the
+        #: other servers to free their K/V), with ``spill`` over links only
+        self.kv_done: list[list[int]] | None = ([[] for _ in range(N)] if self.kv_room is not None
+                                                and spec.control_over_links else None)
         self.sched = [StepScheduler(core.world, n, prec.__getitem__, self.residency[n].is_gpu,
                                     scope="layer" if self.hardware else "replica",
                                     max_batch_tokens=eng.max_batch_tokens, hold_s=eng.hold_s,
                                     on_execute=_on_execute(self.residency[n]),
                                     moe_kernels=eng.moe_kernels, load_overlap=eng.load_overlap,
-                                    prefetch_link=eng.prefetch_link)
+                                    prefetch_link=eng.prefetch_link,
+                                    kv=self.kv_room[n] if self.kv_room is not None else None)
                       for n in range(N)]
         for sc in self.sched:  # a prefetch a step's load moved lands when it now ends
             sc.copy.notify = self._landing
@@ -335,6 +352,9 @@ class SimBackend:
         st.events = events
         st.sim_time_s = self.now
         st.batches = sum(sc.steps for sc in self.sched)
+        if self.kv_room is not None:
+            for key, v in spill_stats(self.kv_room).items():
+                setattr(st, key, v)
         st.dq_misreported = self.core.dq_misreported
         st.dq_misreport_first = self.core.dq_misreport_first
         return st
@@ -347,11 +367,18 @@ class SimBackend:
         self.snap_window += 1
         self.snap_t = t
         if self.control_s is not None:  # each server's broadcast to every peer it reaches
+            done = self.kv_done
             for n in range(self.N):
                 b = snap[n]
+                rids = done[n] if done is not None else None
                 for m in range(self.N):
                     if m != n and (self.intact or self.reachable(n, m)):
-                        self.heard[n][m].append((self.send_control(n, m, t), b))
+                        arr = self.send_control(n, m, t)
+                        self.heard[n][m].append((arr, b))
+                        if rids:  # the requests home here finished since the last broadcast
+                            self.at(arr, self._kv_free, (m, rids))
+                if rids:
+                    done[n] = []
         if self.pending_requests > 0:
             self.at(t + self.window, self._window, None)
 
@@ -597,6 +624,8 @@ class SimBackend:
         if att != tok.attempt or tok.req.failed:
             return
         tok.req.kv.fetched(tok.view.layer, tok.view.server, positions)
+        if self.kv_room is not None:  # the copies take room at the fetching server
+            self.kv_room[tok.view.server].write(tok.req.rid, tok.req.arrival, len(positions))
         tok.kv_pending -= 1
         if tok.kv_pending == 0:
             self._attend(tok)  # nothing is missing now: it queues
@@ -922,11 +951,30 @@ class SimBackend:
 
     def _request_done(self, req: _Request) -> None:
         t = self.now
+        if self.kv_room is not None:  # its K/V leave its home now, the others as they hear
+            self._kv_finished(req)
         self.w.request(req.row(req.rid, req.user, req.home, req.arrival, t,
                                "failed" if req.failed else "ok", req.reason))
         for d in {id(x): x for x in self.deciders}.values():
             d.on_request_done(req.rid)
         self.pending_requests -= 1
+
+    def _kv_finished(self, req: _Request) -> None:
+        """``engine.kv_overflow: spill``: the request's home frees its K/V at once; every other
+        server when it hears, in the home's next window broadcast (``net.control: links``,
+        as the emulator's STATE carries it), or at once with instant control."""
+        if self.control_s is None:
+            for k in self.kv_room:
+                k.free(req.rid)
+            return
+        self.kv_room[req.home].free(req.rid)
+        self.kv_done[req.home].append(req.rid)
+
+    def _kv_free(self, arg: tuple[int, list[int]]) -> None:
+        m, rids = arg
+        k = self.kv_room[m]
+        for r in rids:
+            k.free(r)
 
     def _fail(self, tok: _Token, reason: str) -> None:
         req = tok.req

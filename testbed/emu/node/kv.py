@@ -140,6 +140,8 @@ class KvExchange:
                        hold_n=nbytes / self.wire_bytes)
         elif isinstance(m, KvData):
             self._kv(m.request).fetched(m.layer, self.rank, list(m.positions))
+            if self.kv_room is not None:  # the copies take room here (testbed/kv_spill.py)
+                self.kv_room.write(m.request, self._prio(m.request), len(m.positions))
             p = self._kv_parked_token(m)
             if p is not None and p.pending:
                 p.pending -= 1

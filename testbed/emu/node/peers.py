@@ -26,8 +26,8 @@ from typing import Iterator
 
 import torch
 
-from ..wire import (KV_CONTROL, TENSOR_MESSAGES, Custody, Fail, Feedback, Frame, Hidden, KvData,
-                    Partial, State, Token, patched, sized_frame, tensor_frame)
+from ..wire import (KV_CONTROL, MAX_FINISHED, TENSOR_MESSAGES, Custody, Fail, Feedback, Frame,
+                    Hidden, KvData, Partial, State, Token, patched, sized_frame, tensor_frame)
 
 #: a peer silent this many windows is lost (it sends STATE every window). Over 8,288
 #: healthy peer pairs of the emulated runs kept here (2026-11-26/27, 2-core host, T = 32-127)
@@ -92,8 +92,11 @@ class Peers:
         t_tick = window * self.window
         backlog = self.stream.sched.backlog(t_tick)  # as of the tick, however late it runs
         got = self.net.received_frames
+        done = self.kv_finished[:MAX_FINISHED]  # (``engine.kv_overflow: spill``)
+        del self.kv_finished[:MAX_FINISHED]
         frame = Frame(State(self.rank, window, t_tick, self.now(), float(backlog),
-                            tuple(self.reachable), tuple(got.get(p, 0) for p in range(self.N))))
+                            tuple(self.reachable), tuple(got.get(p, 0) for p in range(self.N)),
+                            finished=tuple(done)))
         for peer in range(self.N):
             if peer != self.rank and self.reachable[peer]:
                 self._send(peer, frame, at=t_tick)
@@ -246,6 +249,10 @@ class Peers:
                 else:
                     self.heard[m.src].append((arrival, m.backlog_s))
                 self.peer_alive[m.src] = m.alive
+                if m.finished and self.kv_room is not None:  # their K/V leave this cache
+                    for r in m.finished:
+                        self.kv_room.free(r)
+                    self.stats["kv_state_frees"] = self.stats.get("kv_state_frees", 0) + len(m.finished)
                 if m.received:
                     self._acked(m.src, m.received)
             elif isinstance(m, Feedback):

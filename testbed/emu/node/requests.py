@@ -68,6 +68,9 @@ class Requests:
     def _request_done(self, rq: HomeRequest, status: str, reason: str,
                       t: float | None = None) -> None:
         rq.done = True
+        if self.kv_room is not None:  # its K/V leave here now, the peers with the next STATE
+            self.kv_room.free(rq.rid)
+            self.kv_finished.append(rq.rid)
         t = self.now() if t is None else t
         lam_mean, lam_max = rq.lam_stats()
         self.writer.request(rq.row(rq.rid, rq.user, self.rank, rq.arrival, t, status, reason))
