@@ -145,12 +145,11 @@ class Worker(Peers, Routing, Aggregation, Compute, Faults, Requests, KvExchange)
                       "handler_errors": 0}
         self.stopping = False
         #: ``engine.kv_overflow: spill``: this server's K/V cache held to its room
-        #: (testbed/kv_spill.py), and the requests home here that finished since this
-        #: worker's last STATE, which tells the peers to free their K/V
+        #: (testbed/kv_spill.py); its STATE frames name the requests home here that finished
+        #: since the last (``Peers.kv_finished``), which frees the peers' K/V
         self.kv_room = (server_room(self.setup.cluster, self.setup.shape,
                                     self.spec.memory.gpu_share, self.rank)
                         if self.hardware and self.spec.engine.kv_overflow == "spill" else None)
-        self.kv_finished: list[int] = []
         self._init_peers()
         self._init_faults()
         self._init_routing()

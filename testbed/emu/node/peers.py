@@ -41,14 +41,20 @@ SILENT_WINDOWS = 3
 
 
 class Peers:
-    """Owns ``peer_backlog``, ``last_heard``, ``reachable``, ``max_gap`` and ``unacked``."""
+    """Owns ``peer_backlog``, ``last_heard``, ``reachable``, ``max_gap``, ``unacked`` and
+    ``kv_finished``."""
 
     #: per peer, the sender's congestion-window clock (``testbed.tcp.HoldClock``); set by
     #: the worker under ``net.transport: tcp`` with the transport delay line
     holds: dict | None = None
+    #: the server's K/V ledger (``testbed.kv_spill.KvSpill``); set by the worker under
+    #: ``engine.kv_overflow: spill``, whose STATE frames free the peers' K/V
+    kv_room = None
 
     def _init_peers(self) -> None:
         n = self.N
+        #: requests home here that finished since the last STATE (``engine.kv_overflow: spill``)
+        self.kv_finished: list[int] = []
         self.peer_backlog = [0.0] * n
         #: per peer: (arrival, wall s; backlog) of broadcasts not yet taken into a view
         self.heard: list[deque] = [deque() for _ in range(n)]
