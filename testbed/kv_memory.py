@@ -26,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from .kv_spill import room_bytes
+
 
 def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, n_servers: int,
           with_copies: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -97,8 +99,9 @@ def peaks(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, n_servers: int,
 
 
 def kv_room(gpu_bytes, gpu_share: float) -> np.ndarray:
-    """Each server's room for KV cache and activations: (1 - gpu_share) x G_n."""
-    return np.asarray(gpu_bytes, dtype=float) * (1.0 - gpu_share)
+    """Each server's room for KV cache and activations: (1 - gpu_share) x G_n
+    (``kv_spill.room_bytes``, the rule ``engine.kv_overflow: spill`` holds the cache to)."""
+    return np.array([room_bytes(float(g), gpu_share) for g in gpu_bytes], dtype=float)
 
 
 def kv_metrics(tl: pd.DataFrame, rq: pd.DataFrame, kv_bytes: float, room: np.ndarray,

@@ -121,18 +121,26 @@ class KvSpill:
         self._spilled = None
 
 
+def room_bytes(gpu_bytes: float, gpu_share: float) -> float:
+    """A server's room for K/V cache and activations, (1 - gpu_share) x G_n: the one rule
+    the ledgers here and the records' reading (``kv_memory.kv_room``) both hold to."""
+    return gpu_bytes * (1.0 - gpu_share)
+
+
 def server_room(cluster: Cluster, shape: MoEShape, gpu_share: float, n: int) -> KvSpill:
-    """Server n's K/V room, (1 - gpu_share) x G_n, with its host link at the achieved
-    fraction loads get: what both backends' step schedulers hold the cache to."""
-    return KvSpill(cluster.gpu_bytes[n] * (1.0 - gpu_share), shape.kv_bytes_per_token,
+    """Server n's K/V ledger against its room, with its host link at the achieved fraction
+    loads get: what both backends' step schedulers hold the cache to."""
+    return KvSpill(room_bytes(cluster.gpu_bytes[n], gpu_share), shape.kv_bytes_per_token,
                    cluster.pcie[n] * PCIE_EFFICIENCY)
 
 
 def spill_stats(rooms: list[KvSpill]) -> dict:
     """A run's (or a worker's) spill counters, summed over servers: positions written to
-    the ledgers, steps that copied spilled K/V in, the bytes and stream seconds they copied,
-    the servers that spilled."""
+    the ledgers, the largest ledger (MB; the records' ``kv_peak_mb`` reads the same cache
+    from their times), steps that copied spilled K/V in, the bytes and stream seconds they
+    copied, the servers that spilled."""
     return {"kv_written": sum(k.written for k in rooms),
+            "kv_ledger_peak_mb": round(max((k.peak * k.kv_bytes for k in rooms), default=0) / 1e6, 3),
             "kv_spill_steps": sum(k.spill_steps for k in rooms),
             "kv_spill_bytes": int(round(sum(k.copied_positions * k.kv_bytes for k in rooms))),
             "kv_spill_s": sum(k.copied_s for k in rooms),

@@ -124,6 +124,8 @@ class EmuBackend:
                         "kv_state_frees"):
                 stats[key] = sum(w.get(key, 0) for w in stats["workers"])
             stats["kv_spill_servers"] = sum(1 for w in stats["workers"] if w.get("kv_spill_steps"))
+            stats["kv_ledger_peak_mb"] = max((w.get("kv_ledger_peak_mb", 0.0) for w in stats["workers"]),
+                                             default=0.0)
         if spec.engine.attention == "causal":  # the simulator's counters (node/kv.py)
             for key in ("kv_waits", "kv_asks", "kv_notices", "kv_fetches", "kv_bytes"):
                 stats[key] = sum(w.get(key, 0) for w in stats["workers"])

@@ -83,9 +83,10 @@ class SimStats:
     kv_asks: int = 0
     kv_notices: int = 0
     #: ``engine.kv_overflow: spill``: positions written to the servers' K/V ledgers (own and
-    #: fetched copies), steps that copied spilled K/V in from host memory, the bytes and
+    #: fetched copies), the largest ledger in MB, steps that copied spilled K/V in from host memory, the bytes and
     #: stream seconds they copied, and the servers that spilled at all
     kv_written: int = 0
+    kv_ledger_peak_mb: float = 0.0
     kv_spill_steps: int = 0
     kv_spill_bytes: int = 0
     kv_spill_s: float = 0.0
