@@ -9,7 +9,8 @@
   (``Alg2Params(compiled=False)``), which decides identically.
 - ``sim_token_layers_per_s``: token-layers per second of the discrete-event
   backend end to end (routing, events, records), Mixtral at the paper's load,
-  under each physics (the hardware world drains a backlog after the arrivals).
+  under each physics (the hardware world drains a backlog after the arrivals; since
+  2026-12-08 its attention is causal with the K/V news from the home, the figures' rule).
 - ``router_per_token_layer[physics]``: HetRoute's own CPU time per simulated token-layer
   (its decisions and its feedback) in a run of ``sim_token_layers_per_s``'s setting, and the
   token-layers/s that time alone allows: the ceiling the router puts on the simulator.

@@ -1,8 +1,9 @@
 """Where a request's keys and values are: what a token's attention waits for (``engine.attention``).
 
 Token i's attention at layer l reads the K/V of positions 0..i-1 at layer l. The paper's
-per-token model (and ``engine.attention: independent``, the rule of every figure) lets
-each token attend wherever it resides as if they were there. Under ``causal`` a token's
+per-token model (``engine.attention: independent``, the paper's world's only rule and the
+hardware world's until 2026-12-08) lets each token attend wherever it resides as if they
+were there. Under ``causal`` (the hardware world's default since) a token's
 dense part of layer l joins its server's stream only when, for every earlier position j
 of its request,
 
@@ -20,9 +21,9 @@ does; a generated token fetches what the earlier positions left on other servers
 
 How a waiting server learns where the K/V are (``engine.kv_news``):
 
-- ``instant`` (the default): at once, as soon as an earlier position has computed them,
-  wherever that was. Nothing carries the news, so this is a lower bound.
-- ``home``: a directory at the request's home server. A server tells the home which
+- ``instant``: at once, as soon as an earlier position has computed them, wherever that
+  was. Nothing carries the news, so this is a lower bound (the simulator's alone).
+- ``home`` (the default): a directory at the request's home server. A server tells the home which
   positions' dense parts of which layer a step computed (one message per step and home,
   none when it is the home); a token whose earlier positions are not all in its own
   server's stream, computed there or held there asks the home for the rest; the home

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from topologies.schema import InputFileError, one_line, read_yaml
 from workloads.requests import DEFAULT_GEN_TOKENS, DEFAULT_PROMPT_TOKENS
@@ -29,9 +29,17 @@ OMITTED_AT_DEFAULT = {"arrivals": "poisson", "arrival_cv": 1.0, "gamma_count": "
                       "trace_rate": "spec", "trace_start_s": 0.0, "lengths": "fixed",
                       "max_prompt_tokens": None, "max_gen_tokens": None}
 #: the same for other sections' fields: section -> field -> default
-OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial", "attention": "independent",
-                                "kv_news": "instant", "kv_overflow": "none"},
+OMITTED_ELSEWHERE = {"engine": {"load_overlap": "serial", "kv_overflow": "none"},
                      "sim": {"hop_jitter_draw": 0}}
+
+
+def world_engine(physics: str, attention: str | None = None) -> dict[str, str]:
+    """The engine rules a world picks where a spec leaves them out: the hardware world's
+    attention is causal, its K/V news come from the request's home (a protocol a worker can
+    run); the paper's world is per token (README, "A token's attention needs its request's
+    earlier positions")."""
+    att = attention or ("causal" if physics == "hardware" else "independent")
+    return {"attention": att, "kv_news": "home" if att == "causal" else "instant"}
 
 
 class SpecError(ValueError):
@@ -336,23 +344,27 @@ class EngineSpec(_Model):
         "the step, before its kernel, holding the stream) or 'copy_engine' (on the server's "
         "copy engine, FIFO with prefetches, while the stream runs the step's other work; a "
         "loaded replica's kernel waits for its copy). Hardware physics only")
-    #: ``independent`` is the paper's per-token model and the rule of every figure: a token
-    #: attends wherever it resides as if its request's earlier positions' K/V were there
-    #: (``python -m analysis causal-kv`` measures how often they were not); ``causal`` is what
-    #: a forward pass needs (testbed/kv.py). The emulated workers exchange K/V under
-    #: ``kv_news: home`` (testbed/emu/node/kv.py), without faults.
-    attention: Literal["independent", "causal"] = Field(
-        "independent", description="'independent': each token's attention runs where it "
-        "resides, its request's earlier K/V taken as present (the paper's per-token model); "
-        "'causal': a token's dense part of a layer waits until every earlier position of its "
-        "request has computed that layer's K/V, and fetches those computed on other servers "
-        "(testbed/kv.py). Hardware physics; on the emulator with kv_news: home and no faults")
-    #: ``instant`` is the lower bound every causal run before 2026-12-07 (afternoon) used
-    kv_news: Literal["instant", "home"] = Field(
-        "instant", description="under attention: causal, how a waiting token's server learns "
-        "where its request's earlier K/V are: 'instant' (at once: a lower bound) or 'home' (a "
-        "directory at the request's home: servers report each step's dense parts there, a "
-        "token asks it and is answered once it has heard of every earlier position)")
+    #: ``causal`` is what a forward pass needs (testbed/kv.py) and the hardware world's rule
+    #: since 2026-12-08 (before, every figure ran ``independent``); ``independent`` is the
+    #: paper's per-token model, the only rule of ``physics: paper``: a token attends wherever it
+    #: resides as if its request's earlier positions' K/V were there (``python -m analysis
+    #: causal-kv`` measures how often they were not). Left out, the world picks (``WORLD_ENGINE``).
+    attention: Literal["independent", "causal"] | None = Field(
+        None, description="'causal' (the hardware world's default): a token's dense part of a "
+        "layer waits until every earlier position of its request has computed that layer's K/V, "
+        "and fetches those computed on other servers (testbed/kv.py); 'independent' (the paper's "
+        "per-token model, the only rule of physics: paper): each token's attention runs where "
+        "it resides, its request's earlier K/V taken as present. On the emulator causal needs "
+        "kv_news: home and no faults")
+    #: ``home`` is a protocol a real deployment can run, so the default under causal attention
+    #: since 2026-12-08; ``instant`` is the lower bound every causal run before 2026-12-07
+    #: (afternoon) used
+    kv_news: Literal["instant", "home"] | None = Field(
+        None, description="under attention: causal, how a waiting token's server learns "
+        "where its request's earlier K/V are: 'home' (the default: a directory at the request's "
+        "home: servers report each step's dense parts there, a token asks it and is answered "
+        "once it has heard of every earlier position) or 'instant' (at once: a lower bound, "
+        "simulator only)")
     #: ``none`` is every figure's rule: the cache grows past the room and the run says so
     #: (``kv_peak_share`` in metrics.json, a warning); ``spill`` holds it to the room
     kv_overflow: Literal["none", "spill"] = Field(
@@ -390,6 +402,29 @@ class ExperimentSpec(_Model):
     emu: EmuSpec = EmuSpec()
     faults: list[FaultSpec] = Field(default_factory=list)
 
+    #: engine fields the world filled in (left out of the spec): ``with_overrides`` lets a
+    #: changed physics pick them again
+    _world_filled: tuple[str, ...] = PrivateAttr(default=())
+
+    def __eq__(self, other: object) -> bool:
+        """Equal specs are equal settings, however their rules came to be (written or the
+        world's pick)."""
+        if not isinstance(other, ExperimentSpec):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # a spec holds lists (faults): never hashable
+
+    @model_validator(mode="after")
+    def _world_picks(self) -> "ExperimentSpec":
+        eng = self.engine
+        picked = world_engine(self.physics, eng.attention)
+        filled = tuple(k for k in ("attention", "kv_news") if getattr(eng, k) is None)
+        if filled:
+            object.__setattr__(self, "engine", eng.model_copy(update={k: picked[k] for k in filled}))
+            self._world_filled = filled
+        return self
+
     @model_validator(mode="after")
     def _overlap_needs_steps(self) -> "ExperimentSpec":
         if self.engine.load_overlap != "serial" and self.physics != "hardware":
@@ -407,8 +442,10 @@ class ExperimentSpec(_Model):
                                  "'home' (no emulated worker sees where every K/V is, as "
                                  "'instant' does)")
             if self.faults:
-                raise ValueError("engine.attention: 'causal' on backend: emu runs without "
-                                 "faults (a lost holder's K/V are not recovered yet)")
+                raise ValueError("engine.attention: 'causal' (the hardware world's default) "
+                                 "on backend: emu runs without faults (a lost holder's K/V are "
+                                 "not recovered yet): set engine.attention: independent for a "
+                                 "fault run")
         if self.engine.kv_news != "instant" and self.engine.attention != "causal":
             raise ValueError("engine.kv_news: 'home' needs attention: causal (under "
                              "'independent' no token waits for its request's K/V)")
@@ -445,6 +482,9 @@ class ExperimentSpec(_Model):
     def with_overrides(self, overrides: dict[str, Any]) -> "ExperimentSpec":
         """A copy with dotted-key overrides, e.g. {'workload.rate_per_s': 80}."""
         data = self.model_dump()
+        for f in self._world_filled:  # the world (perhaps a new one) picks them again
+            if f"engine.{f}" not in overrides:
+                data["engine"][f] = None
         for key, value in overrides.items():
             node = data
             parts = key.split(".")
@@ -471,6 +511,10 @@ class ExperimentSpec(_Model):
                     data[section].pop(key, None)
         if not full and self.physics != "hardware":  # the paper's world has one rule
             data["engine"].pop("prefetch_link", None)
+            data["engine"].pop("attention", None)  # per token: its only rule
+            data["engine"].pop("kv_news", None)
+        elif not full and self.engine.attention == "independent":
+            data["engine"].pop("kv_news", None)  # no token waits for K/V: no news
         return yaml.safe_dump(data, sort_keys=False)
 
 

@@ -139,18 +139,33 @@ def test_a_token_waits_for_earlier_positions_and_fetches_what_other_servers_comp
     assert kv.take_waiting(3) == ["t"] and kv.take_waiting(3) == []
 
 
-def test_causal_attention_is_a_hardware_world_simulator_rule():
+def test_causal_attention_is_the_hardware_worlds_rule_and_the_papers_world_has_none():
     from testbed.spec import SpecError
-    assert "attention" not in parse_spec({}).to_yaml()  # resolved specs made before stay valid
-    assert "attention: causal" in parse_spec({"engine": {"attention": "causal"}}).to_yaml()
-    for other in ({"backend": "emu"}, {"physics": "paper"}):
+    # the hardware world's default since 2026-12-08, written into its resolved specs
+    assert (parse_spec({}).engine.attention, parse_spec({}).engine.kv_news) == ("causal", "home")
+    assert "attention: causal" in parse_spec({}).to_yaml()
+    assert "attention: independent" in parse_spec({"engine": {"attention": "independent"}}).to_yaml()
+    # the paper's world is per token: its resolved specs, made before or since, say nothing
+    paper = parse_spec({"physics": "paper"})
+    assert paper.engine.attention == "independent" and "attention" not in paper.to_yaml()
+    # a changed world picks again what the spec left out, and keeps what it wrote
+    assert parse_spec({}).with_overrides({"physics": "paper"}) == paper
+    assert paper.with_overrides({"physics": "hardware"}).engine.attention == "causal"
+    kept = parse_spec({"engine": {"attention": "independent"}}).with_overrides({"seed": 3})
+    assert kept.engine.attention == "independent"
+    for other in ({"backend": "emu", "engine": {"attention": "causal", "kv_news": "instant"}},
+                  {"physics": "paper", "engine": {"attention": "causal"}}):
         with pytest.raises(SpecError, match="engine.attention"):
-            parse_spec({"engine": {"attention": "causal"}, **other})
+            parse_spec(other)
     # the emulated workers run the home's directory (no worker sees every K/V), fault-free
     home = {"engine": {"attention": "causal", "kv_news": "home"}, "backend": "emu"}
     assert "kv_news: home" in parse_spec(home).to_yaml()
-    with pytest.raises(SpecError, match="without faults"):
-        parse_spec({**home, "faults": [{"kind": "kill_worker", "at_s": 0.5, "server": "s1"}]})
+    fault = [{"kind": "kill_worker", "at_s": 0.5, "server": "s1"}]
+    for spec in ({**home, "faults": fault}, {"backend": "emu", "faults": fault}):
+        with pytest.raises(SpecError, match="without faults.*engine.attention: independent"):
+            parse_spec(spec)
+    assert parse_spec({"backend": "emu", "faults": fault,
+                       "engine": {"attention": "independent"}}).faults
 
 
 CAUSAL = {**TINY, "workload": {**TINY["workload"], "gen_tokens": 4}}
@@ -160,7 +175,7 @@ CAUSAL = {**TINY, "workload": {**TINY["workload"], "gen_tokens": 4}}
 def test_under_causal_attention_no_token_outruns_an_earlier_position(tmp_path):
     import json
     spec = parse_spec({**CAUSAL, "name": "h", "router": {"name": "hetroute"},
-                       "engine": {"attention": "causal"}})
+                       "engine": {"attention": "causal", "kv_news": "instant"}})
     run_experiment(spec, tmp_path / "h", progress=False)
     r = measure_run(tmp_path / "h", every_request=True)  # as the run's counters count
     stats = json.loads((tmp_path / "h" / "run.json").read_text())["stats"]
@@ -200,11 +215,13 @@ def test_the_home_answers_only_once_it_has_heard_of_every_position_asked_for():
 
 def test_kv_news_from_the_home_needs_causal_attention():
     from testbed.spec import SpecError
-    assert "kv_news" not in parse_spec({"engine": {"attention": "causal"}}).to_yaml()
-    assert "kv_news: home" in parse_spec({"engine": {"attention": "causal",
-                                                     "kv_news": "home"}}).to_yaml()
-    with pytest.raises(SpecError, match="engine.kv_news"):
-        parse_spec({"engine": {"kv_news": "home"}})
+    assert "kv_news: home" in parse_spec({"engine": {"attention": "causal"}}).to_yaml()
+    assert "kv_news: instant" in parse_spec({"engine": {"kv_news": "instant"}}).to_yaml()
+    assert "kv_news" not in parse_spec({"engine": {"attention": "independent"}}).to_yaml()
+    for wrong in ({"attention": "independent", "kv_news": "home"}, {"kv_news": "home"}):
+        with pytest.raises(SpecError, match="engine.kv_news"):
+            parse_spec({"engine": wrong, "physics": "paper"} if "attention" not in wrong
+                       else {"engine": wrong})
 
 
 @pytest.mark.slow

@@ -205,8 +205,10 @@ def test_a_pipeline_hand_off_is_one_message_on_the_wire(tmp_path: Path) -> None:
 
 def test_killed_worker_mid_run_loses_no_request(tmp_path: Path) -> None:
     from testbed.records import flat
+    # per-token attention: the emulated workers do not recover a lost holder's K/V
     spec, res, tl, rq, n = _run(tmp_path, faults=[{"kind": "kill_worker", "at_s": 0.4, "server": "mid"}],
-                                workload={**SPEC["workload"], "duration_s": 1.0})
+                                workload={**SPEC["workload"], "duration_s": 1.0},
+                                engine={"attention": "independent"})
     assert len(rq) == n and rq.request.is_unique  # every request has a record
     assert set(rq.status) <= {"ok", "failed"}
     assert (rq[rq.status == "failed"].reason.str.len() > 0).all()

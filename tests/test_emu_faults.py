@@ -32,7 +32,9 @@ END_WINDOWS = 20
 SPEC = {"topology": "small3",
         "workload": {"model": "switch", "duration_s": 0.8, "warmup_s": 0.1, "rate_per_s": 20,
                      "calibration_tokens": 64, "gen_tokens": 0},  # prompt only: T and run time
-        "faults": [{"kind": "cut_link", "at_s": CUT_S, "server": "edge", "peer": "hub"}]}
+        "faults": [{"kind": "cut_link", "at_s": CUT_S, "server": "edge", "peer": "hub"}],
+        # per-token attention: the emulated workers do not recover a lost holder's K/V
+        "engine": {"attention": "independent"}}
 
 
 def _records(spec_dict: dict, out: Path):

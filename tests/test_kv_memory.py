@@ -130,8 +130,14 @@ def test_every_run_reports_its_kv_cache_and_the_cli_warns_when_a_server_outgrew_
     roomy = parse_spec({**TINY, "name": "roomy"})
     met = run_experiment(roomy, tmp_path / "roomy", progress=False).metrics
     assert 0.0 < met["kv_peak_share"] < 1.0 and met["kv_peak_server"] in check_spec(roomy).cluster.names
-    # the paper's rule holds a server's own positions only: the analysis reading's own peak
-    assert met["kv_peak_mb"] == pytest.approx(measure_run(tmp_path / "roomy").own_peak_b / 1e6, abs=1e-3)
+    # causal attention (the default) holds the copies it fetched too: the analysis reading's
+    # peak with them; the per-token rule holds a server's own positions only
+    read = measure_run(tmp_path / "roomy")
+    assert met["kv_peak_mb"] == pytest.approx(read.all_peak_b / 1e6, abs=1e-3)
+    assert read.all_peak_b > read.own_peak_b  # this run's tokens did fetch K/V
+    per_token = parse_spec({**TINY, "name": "own", "engine": {"attention": "independent"}})
+    met = run_experiment(per_token, tmp_path / "own", progress=False).metrics
+    assert met["kv_peak_mb"] == pytest.approx(measure_run(tmp_path / "own").own_peak_b / 1e6, abs=1e-3)
     # leave the cache almost no room: the same run is flagged, one line on stderr
     spec = tmp_path / "tight.yaml"
     spec.write_text(parse_spec({**TINY, "name": "tight", "memory": {"gpu_share": 0.99999}}).to_yaml())

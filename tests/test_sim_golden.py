@@ -64,9 +64,15 @@ SEGMENTS = "03b14106891591f1800ad1558b53ec0220631a19f84f9b979e898dee811a7d0d"
 #: 2026-12-06); ``ACKS`` is ``SEGMENTS`` with a 66-byte ACK per two segments on the reverse
 #: link (``ack_every: 2``, the default since, testbed/acks.py).
 ACKS = "f06034e7cfa3066c3c1d9f4abb3ced82b0028d681d1e11094f5c2dc830e6e5da"
+#: All of the above let a token attend wherever it resides (``engine.attention:
+#: independent``, the hardware world's rule until 2026-12-08, pinned in ``SPEC``); ``CAUSAL``
+#: is ``ACKS`` with the hardware world's default since: causal attention with the K/V news
+#: from the request's home (testbed/kv.py).
+CAUSAL = "a43b7fec1cbf70afef2558ea6f82f3fdb5875554731df99a600760bcb9b79e0e"
 
 SPEC = {"name": "golden", "topology": {"servers": 6, "seed": 1},
-        "engine": {"decision_s": 0, "dispatch": "token", "moe_kernels": "per_expert"},
+        "engine": {"decision_s": 0, "dispatch": "token", "moe_kernels": "per_expert",
+                   "attention": "independent"},
         "workload": {"rate_per_s": 40, "duration_s": 0.25, "warmup_s": 0.0,
                      "gen_tokens": 0, "calibration_tokens": 64}}  # the digests are prompt-only
 
@@ -86,16 +92,18 @@ def digest(*frames: pd.DataFrame) -> str:
 def run_digests(drop: list[str] | None = None, dispatch: str = "token",
                 transport: str = "ideal", control: str = "instant",
                 moe_kernels: str = "per_expert", tcp_model: str = "bursts",
-                ack_every: int = 0) -> dict[str, str]:
+                ack_every: int = 0, attention: str = "independent") -> dict[str, str]:
     """Both physics on one placement (the world's physics does not enter the placement);
-    ``drop``: request-table columns left out of the digest."""
+    ``drop``: request-table columns left out of the digest. The paper's world always runs
+    per token (``attention`` is the hardware world's)."""
     base = build_setup(parse_spec({**SPEC, "physics": "hardware"}))
     out = {}
     for physics in ("hardware", "paper"):
         _, tl, rq = run_records(base, {
             "physics": physics, "engine.dispatch": dispatch, "net.transport": transport,
             "net.control": control, "engine.moe_kernels": moe_kernels, "net.tcp_model": tcp_model,
-            "net.ack_every": ack_every})
+            "net.ack_every": ack_every,
+            "engine.attention": attention if physics == "hardware" else "independent"})
         assert len(tl) > 0 and len(rq) > 0
         out[physics] = digest(tl, rq.drop(columns=drop or []))
     return out
@@ -160,6 +168,24 @@ def test_acks_on_the_reverse_link_change_the_hardware_world_only():
     assert got["hardware"] == ACKS, f"the records with ACKs changed: {got['hardware']}"
 
 
+def test_causal_attention_changes_the_hardware_world_only():
+    """The hardware world's default since 2026-12-08 (causal attention, K/V news from the
+    home) against ``ACKS`` (the same with independent attention); the paper's world, whose
+    spec says nothing of attention, is still per token."""
+    got = run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused",
+                      tcp_model="segments", ack_every=2, attention="causal")
+    assert got["paper"] == GOLDEN["paper"]
+    assert got["hardware"] != ACKS, "no token here attended away from its request's K/V"
+    assert got["hardware"] == CAUSAL, f"the causal world's records changed: {got['hardware']}"
+    engine = {k: v for k, v in SPEC["engine"].items() if k != "attention"}
+    base = build_setup(parse_spec({**SPEC, "engine": engine, "physics": "paper"}))
+    _, tl, rq = run_records(base, {})
+    assert digest(tl, rq) == GOLDEN["paper"]
+    assert base.spec.engine.attention == "independent"
+    hw = parse_spec({**SPEC, "engine": engine})
+    assert (hw.engine.attention, hw.engine.kv_news) == ("causal", "home")
+
+
 def test_a_window_that_never_binds_leaves_the_records_of_ideal_links():
     """Under either TCP model, an initial window larger than any flight (``init_cwnd``
     100,000 segments) waits for nothing, so the records equal ``ideal``'s bit for bit."""
@@ -206,4 +232,6 @@ if __name__ == "__main__":  # pragma: no cover - prints the digests to record
           run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused",
                       tcp_model="segments")["hardware"],
           run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused",
-                      tcp_model="segments", ack_every=2)["hardware"])
+                      tcp_model="segments", ack_every=2)["hardware"],
+          run_digests(dispatch="step", transport="tcp", control="links", moe_kernels="fused",
+                      tcp_model="segments", ack_every=2, attention="causal")["hardware"])
