@@ -348,7 +348,7 @@ class EngineSpec(_Model):
     #: since 2026-12-08 (before, every figure ran ``independent``); ``independent`` is the
     #: paper's per-token model, the only rule of ``physics: paper``: a token attends wherever it
     #: resides as if its request's earlier positions' K/V were there (``python -m analysis
-    #: causal-kv`` measures how often they were not). Left out, the world picks (``WORLD_ENGINE``).
+    #: causal-kv`` measures how often they were not). Left out, the world picks (``world_engine``).
     attention: Literal["independent", "causal"] | None = Field(
         None, description="'causal' (the hardware world's default): a token's dense part of a "
         "layer waits until every earlier position of its request has computed that layer's K/V, "
