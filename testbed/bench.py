@@ -10,7 +10,10 @@
 - ``sim_token_layers_per_s``: token-layers per second of the discrete-event
   backend end to end (routing, events, records), Mixtral at the paper's load,
   under each physics (the hardware world drains a backlog after the arrivals; since
-  2026-12-08 its attention is causal with the K/V news from the home, the figures' rule).
+  2026-12-08 its attention is causal with the K/V news from the home, the figures' rule),
+  and ``hardware-independent``: the hardware world with per-token attention, the setting
+  every reading before 2026-12-08 was taken in (the causal world's asks, notices and
+  fetches are about four times the events per token-layer).
 - ``router_per_token_layer[physics]``: HetRoute's own CPU time per simulated token-layer
   (its decisions and its feedback) in a run of ``sim_token_layers_per_s``'s setting, and the
   token-layers/s that time alone allows: the ceiling the router puts on the simulator.
@@ -81,18 +84,25 @@ def _decisions(model: str, tokens: int, seed: int = 11, reference: bool = False)
             "replicas_per_expert": round(setup.deployment.summary(setup.shape)["replicas_per_expert"], 2)}
 
 
-def _backend(duration_s: float, physics: str) -> tuple[SimBackend, RecordWriter]:
+#: The simulator's readings: name -> (physics, engine.attention; None: the world's default).
+SIM_SETTINGS = {"hardware": ("hardware", None), "hardware-independent": ("hardware", "independent"),
+                "paper": ("paper", None)}
+
+
+def _backend(duration_s: float, physics: str,
+             attention: str | None = None) -> tuple[SimBackend, RecordWriter]:
     """The bench's simulator setting: paper10, Mixtral, prompt only (pinned: the speeds
     README and bench.json report are of the figures' runs)."""
-    spec = parse_spec({"name": "bench-sim", "physics": physics,
+    engine = {} if attention is None else {"attention": attention}
+    spec = parse_spec({"name": "bench-sim", "physics": physics, "engine": engine,
                        "workload": {"duration_s": duration_s, "warmup_s": 0.2, "gen_tokens": 0}})
     setup = build_setup(spec)
     writer = RecordWriter(None, setup.shape.top_k)
     return SimBackend(setup, writer), writer
 
 
-def _sim(duration_s: float, physics: str) -> dict:
-    sim, writer = _backend(duration_s, physics)
+def _sim(duration_s: float, physics: str, attention: str | None = None) -> dict:
+    sim, writer = _backend(duration_s, physics, attention)
     t0 = time.perf_counter()
     st = sim.run()
     writer.close()
@@ -153,7 +163,7 @@ def main() -> None:
     res["router_decisions_per_s"] = {m: d["per_s"] for m, d in dec.items()}
     res["router_decisions_per_s_reference"] = {
         m: _decisions(m, 100, reference=True)["per_s"] for m in dec}
-    res["sim"] = {p: _sim(3.0, p) for p in ("hardware", "paper")}
+    res["sim"] = {k: _sim(3.0, *v) for k, v in SIM_SETTINGS.items()}
     res["sim_token_layers_per_s"] = {p: r["per_s"] for p, r in res["sim"].items()}
     res["router_per_token_layer"] = {p: _router_share(3.0, p) for p in ("hardware", "paper")}
     res["fig9_full"] = _fig9_full()
@@ -163,7 +173,9 @@ def main() -> None:
         print(f"router_decisions_per_s[{m}] = {v:,}  (target {target:,}; Python reference "
               f"{res['router_decisions_per_s_reference'][m]:,})")
     for p, sim in res["sim"].items():
-        print(f"sim_token_layers_per_s[physics={p}] = {sim['per_s']:,}  (floor {FLOOR:,}, "
+        physics, attention = SIM_SETTINGS[p]
+        label = f"physics={physics}" + (f", attention={attention}" if attention else "")
+        print(f"sim_token_layers_per_s[{label}] = {sim['per_s']:,}  (floor {FLOOR:,}, "
               f"target 200,000; {sim['token_layers']:,} token-layers in {sim['seconds']} s)")
     for p, r in res["router_per_token_layer"].items():
         print(f"router per simulated token-layer [physics={p}]: decisions {r['decision_us']} us, "

@@ -66,17 +66,29 @@ class RequestKv:
         attend now)."""
         comp = self.computed.get(layer, {})
         queued = self.queued.get(layer, {})
+        for j in range(position - 1, -1, -1):  # the wait first, latest position down (cheap)
+            if j not in comp and queued.get(j) != server:
+                return None
         held = self.held.get((layer, server), ())
         fetch: dict[int, list[int]] = {}
         for j in range(position):
-            s = comp.get(j)
-            if s is None:
-                if queued.get(j) == server:
-                    continue
-                return None
-            if s != server and j not in held:
+            s = comp.get(j)  # None: in this server's stream (the loop above saw to that)
+            if s is not None and s != server and j not in held:
                 fetch.setdefault(s, []).append(j)
         return fetch
+
+    def sees_all(self, layer: int, position: int, server: int) -> bool:
+        """Whether ``server`` sees every earlier position's K/V of ``layer``: ``not
+        local_missing(...)``, checked from the latest position down and stopped at the first
+        it lacks (a parked token is re-checked at each of its request's completions, and it is
+        almost always its nearest predecessors that are still on their way)."""
+        comp = self.computed.get(layer, {})
+        queued = self.queued.get(layer, {})
+        held = self.held.get((layer, server), ())
+        for j in range(position - 1, -1, -1):
+            if comp.get(j, queued.get(j)) != server and j not in held:
+                return False
+        return True
 
     def local_missing(self, layer: int, position: int, server: int) -> list[int]:
         """The earlier positions whose K/V of ``layer`` ``server`` cannot see: not in its

@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from analysis.causal_kv import measure, measure_run
 from testbed.runner import run_experiment
@@ -211,6 +213,43 @@ def test_the_home_answers_only_once_it_has_heard_of_every_position_asked_for():
     assert kv.located(2, [1, 3]) is None
     kv.notice(2, 3, 4)
     assert kv.located(2, [1, 3]) == {1: [1], 4: [3]} and kv.located(3, [1]) is None
+
+
+def _ledger(events):
+    from testbed.kv import RequestKv
+    kv = RequestKv()
+    for kind, pos, server in events:  # one layer (0); positions 0-7 on servers 0-2
+        if kind == 0:
+            kv.submitted(0, pos, server)
+        elif kind == 1:
+            kv.done(0, pos, server)
+        else:
+            kv.fetched(0, server, [pos])
+    return kv
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 7), st.integers(0, 2)), max_size=30),
+       st.integers(0, 8), st.integers(0, 2))
+@settings(max_examples=300, deadline=None)
+def test_the_quick_checks_answer_as_the_rules_read(events, position, server):
+    """``sees_all`` and ``needs`` stop at the first position that decides (speed, since a
+    parked token is checked again at each of its request's completions); their answers are
+    the module docstring's rules, written out position by position here."""
+    kv = _ledger(events)
+    comp, queued = kv.computed.get(0, {}), kv.queued.get(0, {})
+    held = kv.held.get((0, server), set())
+    visible = [comp.get(j, queued.get(j)) == server or j in held for j in range(position)]
+    assert kv.sees_all(0, position, server) == all(visible)
+    assert kv.local_missing(0, position, server) == [j for j in range(position) if not visible[j]]
+    if any(j not in comp and queued.get(j) != server for j in range(position)):
+        assert kv.needs(0, position, server) is None
+    else:
+        want: dict[int, list[int]] = {}
+        for j in range(position):
+            if j in comp and comp[j] != server and j not in held:
+                want.setdefault(comp[j], []).append(j)
+        assert kv.needs(0, position, server) == want
+        assert list(kv.needs(0, position, server)) == list(want)  # the holders in the same order
 
 
 def test_kv_news_from_the_home_needs_causal_attention():

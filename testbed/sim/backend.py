@@ -522,8 +522,7 @@ class SimBackend:
     def _attend_home(self, tok: _Token, kv, layer: int, theta: int) -> None:
         """Attend if this server sees every earlier position; else park (its own stream may
         bring them) and ask the home where the others are, once per layer and attempt."""
-        missing = kv.local_missing(layer, tok.view.index, theta)
-        if not missing:
+        if kv.sees_all(layer, tok.view.index, theta):
             self._kv_submit(tok, kv, layer, theta)
             return
         att = tok.attempt
@@ -531,6 +530,7 @@ class SimBackend:
         self.stats.kv_waits += 1
         if tok.kv_ask == (att, layer) or tok.kv_pending:  # asked, or fetching what it was told
             return
+        missing = kv.local_missing(layer, tok.view.index, theta)
         tok.kv_ask = (att, layer)
         home = tok.req.home
         self.stats.kv_asks += 1

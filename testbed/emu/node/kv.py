@@ -72,8 +72,7 @@ class KvExchange:
         rid, index, layer = tok.request, tok.token, tok.layer
         kv = self._kv(rid)
         key = (rid, layer, index)
-        missing = kv.local_missing(layer, index, self.rank)
-        if not missing:
+        if kv.sees_all(layer, index, self.rank):
             self.kv_parked.pop(key, None)
             kv.submitted(layer, index, self.rank)
             self._submit_dense(tok, h, t_layer, t)
@@ -88,6 +87,7 @@ class KvExchange:
             return
         p.asked = True
         self.stats["kv_asks"] += 1
+        missing = kv.local_missing(layer, index, self.rank)
         self._send(tok.home, Frame(KvAsk(self.rank, rid, index, layer, tok.seq, tuple(missing))),
                    at=t)
 
