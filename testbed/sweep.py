@@ -183,7 +183,23 @@ def estimate_s(p: Point) -> float:
         from .emu.dilation import dilation_for
         dil = dilation_for(s, L)[0]
         return placement + 25.0 + (w.duration_s + 0.3 * s.emu.max_drain_s) * dil + replay
-    return placement + token_layers / 15_000 + replay
+    return placement + token_layers / sim_rate(s) + replay
+
+
+#: The simulator's rough speed for the estimate (token-layers/s); causal attention's asks,
+#: notices and fetches take about twice the time per token-layer (``make bench`` of
+#: 2026-12-08, same host and hour: 4,858 causal against 10,027 per-token in the hardware
+#: world). Routers whose tokens share each step (pipelines) are not slowed, so for them the
+#: causal estimate is high.
+SIM_RATE = 15_000
+CAUSAL_SLOWDOWN = 10_027 / 4_858
+
+
+def sim_rate(spec) -> float:
+    """Token-layers per second assumed for a simulated run of ``spec``."""
+    if spec.physics == "hardware" and spec.engine.attention == "causal":
+        return SIM_RATE / CAUSAL_SLOWDOWN
+    return SIM_RATE
 
 
 def _requests_and_tokens(w) -> tuple[float, float]:

@@ -316,3 +316,15 @@ def test_a_sweeps_estimate_counts_what_a_trace_gives(tmp_path):
     assert max(r.prompt_tokens for r in reqs) == 500
     fixed = parse_spec({"workload": {"rate_per_s": 50, "duration_s": 0.5, "warmup_s": 0.1}})
     assert _requests_and_tokens(fixed.workload) == (25.0, 68.0)  # 36 + 32 tokens
+
+
+def test_a_sweeps_estimate_knows_causal_attention_costs_the_simulator_more():
+    """The hardware world's default (causal attention) is estimated at the bench's measured
+    slowdown; per-token attention and the paper's world at the old rate."""
+    from testbed.sweep import CAUSAL_SLOWDOWN, SIM_RATE, sim_rate
+    causal = parse_spec({"workload": {"rate_per_s": 40, "duration_s": 1.0, "warmup_s": 0.1}})
+    assert causal.engine.attention == "causal"
+    assert sim_rate(causal) == pytest.approx(SIM_RATE / CAUSAL_SLOWDOWN) and CAUSAL_SLOWDOWN > 1.5
+    assert sim_rate(causal.with_overrides({"engine.attention": "independent"})) == SIM_RATE
+    assert sim_rate(causal.with_overrides({"physics": "paper"})) == SIM_RATE
+
